@@ -1,0 +1,29 @@
+"""Installs stacktools."""
+
+import setuptools
+
+setuptools.setup(
+    name="stacktools",
+    version="0.1.0",
+    description=("Layer stacking for Haiku and JAX: vmapped init, one scan, "
+                 "pluggable checkpoint policies."),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=["stacktools"],
+    package_data={"stacktools": ["py.typed"]},
+    python_requires=">=3.10",
+    # The ranges the test suite has passed with. Haiku is in maintenance mode
+    # and JAX moves fast, so a known-good range beats an open-ended one.
+    install_requires=[
+        "jax>=0.10.0,<0.11",
+        "jaxlib>=0.10.0,<0.11",
+        "dm-haiku>=0.0.17,<0.0.18",
+        "optax>=0.2.5,<0.3",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "plot": ["matplotlib>=3.7"],
+    },
+)

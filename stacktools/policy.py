@@ -1,0 +1,292 @@
+"""Checkpoint (remat) policies for one step of a scanned loop.
+
+A :class:`CheckpointPolicy` says what the backward pass of a scanned block
+keeps from the forward pass and what it recomputes. It is built from a
+``remat=`` value (``False``, ``True``, ``"nested"``, ``"offload"``, ...) by
+:meth:`CheckpointPolicy.from_remat` and turned into a ``jax.checkpoint`` call
+for the loop body by :meth:`CheckpointPolicy.checkpoint_step`.
+
+The loop machinery in ``scan.py`` tags the carry and the per-layer input of
+every step with the reserved names :data:`CARRY_NAME` and :data:`INPUT_NAME`;
+a block tags its own intermediates with :func:`checkpoint_name`. The policy
+then maps onto ``jax.checkpoint_policies``: names to save on device, names to
+offload to host memory, everything else recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, Union
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
+
+T = TypeVar("T")
+
+#: Name given to the loop carry at the start of every step.
+CARRY_NAME = "stacktools_carry"
+#: Name given to the per-layer input (the slice of ``xs``) of every step.
+INPUT_NAME = "stacktools_input"
+_RESERVED_NAMES = (CARRY_NAME, INPUT_NAME)
+
+SaveOption = Union[bool, Literal["offload"]]
+RematSpec = Union[bool, str, "CheckpointPolicy", None]
+
+_ALIASES = ("False", "None", "'none'", "True", "'full'", "'nested'",
+            "'offload'", "'save_all'", "a CheckpointPolicy")
+
+
+def checkpoint_name(tree: T, name: str) -> T:
+  """Tags every array leaf of ``tree`` with ``name`` for a checkpoint policy.
+
+  A policy that lists ``name`` in ``save_block_internals`` keeps the tagged
+  values for the backward pass instead of recomputing them; one that lists it
+  in ``offload_block_internals`` keeps them in host memory. Leaves that are
+  not arrays (``None``, Python scalars) are returned unchanged.
+
+  Example::
+
+    def block(x, w):
+      h = st.checkpoint_name(jax.nn.gelu(x @ w), "mlp_hidden")
+      return x + h @ w.T
+
+  Args:
+    tree: any pytree; its array leaves are tagged.
+    name: the name a policy refers to.
+
+  Returns:
+    ``tree`` with the same structure and values.
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"checkpoint_name needs a non-empty string name, got {name!r}.")
+
+  def tag(leaf):
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+      return _jax_checkpoint_name(leaf, name)
+    return leaf
+
+  return jax.tree_util.tree_map(tag, tree)
+
+
+def _check_save_option(field: str, value: Any) -> None:
+  if value is not True and value is not False and value != "offload":
+    raise ValueError(
+        f"CheckpointPolicy({field}={value!r}) is not accepted: use True (keep "
+        "on device), False (recompute) or 'offload' (keep in host memory).")
+
+
+def _as_names(field: str, value: Any) -> tuple[str, ...]:
+  if isinstance(value, str):
+    value = (value,)
+  try:
+    names = tuple(value)
+  except TypeError:
+    raise TypeError(
+        f"CheckpointPolicy({field}={value!r}) must be a sequence of names given "
+        "to st.checkpoint_name, e.g. ['attn_out'].") from None
+  for name in names:
+    if not isinstance(name, str):
+      raise TypeError(
+          f"CheckpointPolicy({field}=...) holds {name!r}, which is not a string; "
+          "list the names passed to st.checkpoint_name.")
+    if name in _RESERVED_NAMES:
+      raise ValueError(
+          f"CheckpointPolicy({field}=...) names {name!r}, which stacktools "
+          "reserves for loop carries and inputs; use save_carries= or "
+          "save_inputs= instead.")
+  return names
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+  """What the backward pass of a scanned loop keeps and what it recomputes.
+
+  Each step of the loop is wrapped in ``jax.checkpoint``. Whatever a step
+  needs in the backward pass and the policy does not keep is recomputed from
+  the step's input. The input of a step (its carry) is needed to recompute
+  anything at all, so it is kept unless ``save_carries="offload"`` moves it
+  to host memory or ``nested`` keeps only a few of them.
+
+  Example::
+
+    policy = st.CheckpointPolicy(save_block_internals=["attn_out"], nested=True)
+    y = st.fold(block, remat=policy)(x, params)
+
+  Attributes:
+    save_carries: keep each step's carry on device (``True``), in host memory
+      (``"offload"``), or recompute it when it can be (``False``; in a
+      one-level loop the carry is the step's input and is kept anyway).
+    save_inputs: likewise for each step's slice of ``xs``. A step's slice is
+      one of its inputs and is read from ``xs`` in the backward pass at no
+      cost, so ``True`` and ``False`` keep the same; ``"offload"`` moves a
+      copy to host memory.
+    save_block_internals: ``True`` keeps every intermediate (no
+      recomputation); a sequence keeps the values tagged with those names by
+      :func:`checkpoint_name`.
+    offload_block_internals: names of tagged intermediates kept in host memory.
+    nested: ``True`` or an outer-loop size: a two-level loop that keeps only
+      the outer loop's carries (about ``2*sqrt(N)`` carries in all) and
+      recomputes each inner loop in the backward pass.
+    prevent_cse: passed to ``jax.checkpoint``. Inside a scan ``False`` is safe
+      and lets XLA optimise more.
+    disable: no checkpointing at all: every intermediate is kept.
+  """
+
+  save_carries: SaveOption = True
+  save_inputs: SaveOption = False
+  save_block_internals: Union[bool, Sequence[str]] = False
+  offload_block_internals: Sequence[str] = ()
+  nested: Union[bool, int] = False
+  prevent_cse: bool = False
+  disable: bool = False
+
+  def __post_init__(self):
+    _check_save_option("save_carries", self.save_carries)
+    _check_save_option("save_inputs", self.save_inputs)
+    if not isinstance(self.save_block_internals, bool):
+      object.__setattr__(self, "save_block_internals",
+                         _as_names("save_block_internals", self.save_block_internals))
+    offload = _as_names("offload_block_internals", self.offload_block_internals)
+    object.__setattr__(self, "offload_block_internals", offload)
+    nested = self.nested
+    if not isinstance(nested, (bool, int, np.integer)):
+      raise TypeError(f"CheckpointPolicy(nested={nested!r}) must be a bool or a "
+                      "positive int (the outer-loop size).")
+    if not isinstance(nested, bool):
+      if nested < 1:
+        raise ValueError(f"CheckpointPolicy(nested={nested}) must be True or an "
+                         "outer-loop size >= 1.")
+      object.__setattr__(self, "nested", int(nested))
+
+    if self.disable:
+      changed = [f.name for f in dataclasses.fields(self)
+                 if f.name not in ("disable", "prevent_cse")
+                 and getattr(self, f.name) != _DEFAULTS[f.name]]
+      if changed:
+        raise ValueError(
+            f"CheckpointPolicy(disable=True) turns checkpointing off, so "
+            f"{', '.join(changed)} would be ignored; drop disable=True or those "
+            "fields.")
+    if self.save_block_internals is True and self.offloads_anything:
+      raise ValueError(
+          "CheckpointPolicy(save_block_internals=True) keeps every intermediate "
+          "on device, so nothing can also be offloaded to host memory "
+          "(save_carries/save_inputs='offload' or offload_block_internals). "
+          "List the internals to keep by name instead, or do not offload.")
+    if not isinstance(self.save_block_internals, bool):
+      both = sorted(set(self.save_block_internals) & set(offload))
+      if both:
+        raise ValueError(
+            f"CheckpointPolicy names {both} in both save_block_internals and "
+            "offload_block_internals; a value is either kept on device or "
+            "offloaded to host, so list each name in one of them.")
+
+  @property
+  def offloads_anything(self) -> bool:
+    return (self.save_carries == "offload" or self.save_inputs == "offload" or
+            bool(self.offload_block_internals))
+
+  @classmethod
+  def from_remat(cls, remat: RematSpec) -> "CheckpointPolicy":
+    """Builds a policy from a ``remat=`` value.
+
+    Example::
+
+      st.CheckpointPolicy.from_remat("nested")  # CheckpointPolicy(nested=True)
+
+    Args:
+      remat: ``False``/``None``/``"none"`` (no checkpointing), ``True``/
+        ``"full"`` (keep carries, recompute internals), ``"nested"`` (two-level
+        loop, ~2*sqrt(N) carries), ``"offload"`` (carries and inputs in host
+        memory), ``"save_all"`` (keep everything through the checkpoint
+        machinery), or a :class:`CheckpointPolicy`, returned as it is.
+
+    Returns:
+      The policy.
+
+    Raises:
+      ValueError: for any other value.
+    """
+    if isinstance(remat, CheckpointPolicy):
+      return remat
+    if remat is None or remat is False:
+      return cls(disable=True)
+    if remat is True:
+      return cls()
+    if isinstance(remat, str):
+      alias = remat.lower()
+      if alias == "none":
+        return cls(disable=True)
+      if alias == "full":
+        return cls()
+      if alias == "nested":
+        return cls(nested=True)
+      if alias == "offload":
+        return cls(save_carries="offload", save_inputs="offload")
+      if alias == "save_all":
+        return cls(save_carries=True, save_inputs=True, save_block_internals=True)
+    raise ValueError(
+        f"remat={remat!r} is not a checkpoint policy. Accepted: "
+        f"{', '.join(_ALIASES)}.")
+
+  def inner(self) -> "CheckpointPolicy":
+    """This policy for one step of the inner loop of a nested loop."""
+    return dataclasses.replace(self, nested=False)
+
+  def jax_policy(self) -> Callable[..., Any]:
+    """The ``jax.checkpoint_policies`` entry this policy maps onto."""
+    cp = jax.checkpoint_policies
+    if self.save_block_internals is True:
+      # Also saves the carry and inputs; save_carries=False cannot make a
+      # step forget values it needs once everything else is kept.
+      return cp.everything_saveable
+    save = list(self.save_block_internals or ())
+    offload = list(self.offload_block_internals)
+    for option, name in ((self.save_carries, CARRY_NAME),
+                         (self.save_inputs, INPUT_NAME)):
+      if option == "offload":
+        offload.append(name)
+      elif option:
+        save.append(name)
+    if offload:
+      return cp.save_and_offload_only_these_names(
+          names_which_can_be_saved=save,
+          names_which_can_be_offloaded=offload,
+          offload_src="device",
+          offload_dst="pinned_host")
+    return cp.save_only_these_names(*save)
+
+  def checkpoint_step(self, step: Callable[..., T]) -> Callable[..., T]:
+    """Wraps one loop step ``step(carry, x)`` in ``jax.checkpoint``.
+
+    The carry is tagged with :data:`CARRY_NAME` before ``step`` sees it (and
+    ``x`` with :data:`INPUT_NAME` when inputs are offloaded), so that the
+    policy's ``save_carries`` and ``save_inputs`` can refer to them.
+
+    Args:
+      step: ``step(carry, x) -> out``.
+
+    Returns:
+      The wrapped step; ``step`` itself when checkpointing is disabled.
+    """
+    if self.disable:
+      return step
+
+    # A step's slice of xs is one of its inputs, so the backward pass has it
+    # whether or not the policy saves it: inside lax.scan it is read straight
+    # from xs, at no cost. Tagging it would make a named copy, and saving that
+    # copy would double the memory of xs, so it is tagged only to offload it.
+    tag_inputs = self.save_inputs == "offload"
+
+    def named_step(carry, x):
+      if tag_inputs:
+        x = checkpoint_name(x, INPUT_NAME)
+      return step(checkpoint_name(carry, CARRY_NAME), x)
+
+    return jax.checkpoint(named_step, policy=self.jax_policy(),
+                          prevent_cse=self.prevent_cse)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CheckpointPolicy)}
