@@ -1,0 +1,338 @@
+"""Tests for stacktools.policy: CheckpointPolicy, its aliases, checkpoint_name.
+
+Each test compares against an independent reference: the explicit
+CheckpointPolicy an alias stands for, the equations of ``jax.make_jaxpr``, or
+the residuals ``jax.ad_checkpoint`` says the backward pass keeps.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stacktools as st
+from stacktools import policy as policy_lib
+
+try:  # Public in some JAX versions; only in jax._src in jax 0.10.
+  from jax.ad_checkpoint import saved_residuals
+except ImportError:
+  from jax._src.ad_checkpoint import saved_residuals
+
+ALIAS_REPRS = ("False", "None", "'none'", "True", "'full'", "'nested'",
+               "'offload'", "'save_all'", "CheckpointPolicy")
+
+
+def _named(residuals, name):
+  """The residuals that are values tagged ``name``, saved on device."""
+  return [aval for aval, desc in residuals if f"named '{name}'" in desc]
+
+
+def _on_host(aval):
+  """Whether a residual's aval lives in host memory."""
+  space = getattr(aval, "memory_space", None)
+  return "host" in str(space).lower() or "<host>" in str(aval)
+
+
+def _step(carry, x):
+  """A loop step with two tagged internals, 'pre' and 'other'."""
+  pre = st.checkpoint_name(carry["h"] * x, "pre")
+  other = st.checkpoint_name(jnp.sin(pre), "other")
+  return {"h": jnp.tanh(other) * pre}
+
+
+def _step_residuals(policy):
+  """What the backward pass of ``policy.checkpoint_step(_step)`` keeps."""
+  wrapped = policy.checkpoint_step(_step)
+  carry = {"h": jnp.linspace(0.1, 0.9, 5)}
+  x = jnp.linspace(-1.0, 1.0, 5)
+  return saved_residuals(lambda c, x: jnp.sum(wrapped(c, x)["h"]), carry, x)
+
+
+# ---------------------------------------------------------------------------
+# from_remat.
+
+
+@pytest.mark.parametrize("remat", [False, None, "none"])
+def test_from_remat_no_checkpointing(remat):
+  policy = st.CheckpointPolicy.from_remat(remat)
+  assert policy.disable is True
+  assert policy == st.CheckpointPolicy(disable=True)
+
+
+@pytest.mark.parametrize("remat", [True, "full"])
+def test_from_remat_full_is_default_policy(remat):
+  policy = st.CheckpointPolicy.from_remat(remat)
+  assert policy == st.CheckpointPolicy()
+  assert policy.disable is False
+  assert policy.nested is False
+  assert policy.save_carries is True
+  assert policy.save_block_internals is False
+
+
+def test_from_remat_nested():
+  policy = st.CheckpointPolicy.from_remat("nested")
+  assert policy == st.CheckpointPolicy(nested=True)
+  assert policy.nested is True
+  assert policy.disable is False
+
+
+def test_from_remat_offload():
+  policy = st.CheckpointPolicy.from_remat("offload")
+  assert policy.save_carries == "offload"
+  assert policy.save_inputs == "offload"
+  assert policy.nested is False
+  assert policy.offloads_anything
+  assert policy == st.CheckpointPolicy(save_carries="offload",
+                                       save_inputs="offload")
+
+
+def test_from_remat_save_all():
+  policy = st.CheckpointPolicy.from_remat("save_all")
+  assert policy.save_block_internals is True
+  assert policy.save_carries is True
+  assert policy.save_inputs is True
+  assert policy.disable is False
+
+
+def test_from_remat_policy_passes_through():
+  policy = st.CheckpointPolicy(save_block_internals=["attn"], nested=3)
+  assert st.CheckpointPolicy.from_remat(policy) is policy
+
+
+@pytest.mark.parametrize("remat", ["fulll", 3, "nest", "", 0, 1, 1.0, "True"])
+def test_from_remat_rejects_unknown(remat):
+  with pytest.raises(ValueError, match=re.escape(f"remat={remat!r}")) as info:
+    st.CheckpointPolicy.from_remat(remat)
+  message = str(info.value)
+  for alias in ALIAS_REPRS:
+    assert alias in message, (alias, message)
+
+
+# ---------------------------------------------------------------------------
+# Invalid policies.
+
+
+@pytest.mark.parametrize("offload", [
+    dict(save_carries="offload"),
+    dict(save_inputs="offload"),
+    dict(offload_block_internals=["pre"]),
+])
+def test_save_everything_cannot_offload(offload):
+  with pytest.raises(ValueError, match=r"save_block_internals=True.*offload"):
+    st.CheckpointPolicy(save_block_internals=True, **offload)
+
+
+def test_name_both_saved_and_offloaded():
+  with pytest.raises(ValueError, match=r"\['pre'\] in both save_block_internals"):
+    st.CheckpointPolicy(save_block_internals=["pre", "a"],
+                        offload_block_internals=["b", "pre"])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("nested", True),
+    ("nested", 4),
+    ("save_block_internals", ["pre"]),
+    ("save_block_internals", True),
+    ("offload_block_internals", ["pre"]),
+    ("save_carries", "offload"),
+])
+def test_disable_with_other_fields(field, value):
+  with pytest.raises(ValueError, match=rf"disable=True.*{field}"):
+    st.CheckpointPolicy(disable=True, **{field: value})
+
+
+def test_disable_with_prevent_cse_is_fine():
+  policy = st.CheckpointPolicy(disable=True, prevent_cse=True)
+  assert policy.disable and policy.prevent_cse
+
+
+@pytest.mark.parametrize("field", ["save_carries", "save_inputs"])
+@pytest.mark.parametrize("value", ["host", 1, None, "Offload"])
+def test_bad_save_option(field, value):
+  with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
+    st.CheckpointPolicy(**{field: value})
+
+
+@pytest.mark.parametrize("nested", [0, -1])
+def test_nested_must_be_positive(nested):
+  with pytest.raises(ValueError, match=rf"nested={nested}\).*>= 1"):
+    st.CheckpointPolicy(nested=nested)
+
+
+@pytest.mark.parametrize("nested", [1.5, "yes", None])
+def test_nested_must_be_bool_or_int(nested):
+  with pytest.raises(TypeError, match=r"nested=.*bool or a positive int"):
+    st.CheckpointPolicy(nested=nested)
+
+
+def test_nested_numpy_int_becomes_int():
+  policy = st.CheckpointPolicy(nested=np.int64(4))
+  assert policy.nested == 4 and type(policy.nested) is int
+
+
+@pytest.mark.parametrize("field", ["save_block_internals",
+                                   "offload_block_internals"])
+@pytest.mark.parametrize("name", ["stacktools_carry", "stacktools_input"])
+def test_reserved_names_rejected(field, name):
+  with pytest.raises(ValueError, match=rf"{name}.*reserves"):
+    st.CheckpointPolicy(**{field: ["ok", name]})
+
+
+@pytest.mark.parametrize("field", ["save_block_internals",
+                                   "offload_block_internals"])
+def test_non_string_names_rejected(field):
+  with pytest.raises(TypeError, match=r"holds 3, which is not a string"):
+    st.CheckpointPolicy(**{field: ["ok", 3]})
+
+
+@pytest.mark.parametrize("field", ["save_block_internals",
+                                   "offload_block_internals"])
+def test_non_sequence_names_rejected(field):
+  with pytest.raises(TypeError, match=rf"{field}=5\) must be a sequence"):
+    st.CheckpointPolicy(**{field: 5})
+
+
+def test_names_normalised_to_tuples():
+  policy = st.CheckpointPolicy(save_block_internals=["a", "b"],
+                               offload_block_internals="c")
+  assert policy.save_block_internals == ("a", "b")
+  assert policy.offload_block_internals == ("c",)
+  hash(policy)  # Frozen and hashable once the lists are tuples.
+
+
+# ---------------------------------------------------------------------------
+# checkpoint_name.
+
+
+def _name_equations(jaxpr):
+  return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"]
+
+
+def test_checkpoint_name_tags_every_array_leaf():
+  a = jnp.arange(3.0)
+  b = np.ones((2, 2), np.float32)
+  c = jnp.arange(4, dtype=jnp.int32)
+
+  def tag(a, b, c):
+    return st.checkpoint_name({"a": a, "b": (b, None, 3.0), "c": [c]}, "foo")
+
+  jaxpr = jax.make_jaxpr(tag)(a, b, c)
+  eqns = _name_equations(jaxpr)
+  assert len(eqns) == 3
+  assert all(e.params["name"] == "foo" for e in eqns)
+  # One equation per array leaf, each applied to that leaf.
+  assert {e.invars[0] for e in eqns} == set(jaxpr.jaxpr.invars)
+
+
+def test_checkpoint_name_tags_numpy_leaves_when_traced():
+  b = np.ones((2, 2), np.float32)
+  jaxpr = jax.make_jaxpr(lambda: st.checkpoint_name({"b": b}, "bar"))()
+  eqns = _name_equations(jaxpr)
+  assert [e.params["name"] for e in eqns] == ["bar"]
+
+
+def test_checkpoint_name_keeps_values_and_non_arrays():
+  tree = {"a": jnp.arange(3.0), "b": (np.full((2,), 7.0, np.float32), None, 3.0),
+          "c": [jnp.arange(4, dtype=jnp.int32), 5]}
+  out = st.checkpoint_name(tree, "foo")
+  assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
+  assert out["b"][1] is None
+  assert out["b"][2] == 3.0 and type(out["b"][2]) is float
+  assert out["c"][1] == 5 and type(out["c"][1]) is int
+  np.testing.assert_array_equal(out["a"], np.arange(3.0))
+  np.testing.assert_array_equal(out["b"][0], np.full((2,), 7.0))
+  np.testing.assert_array_equal(out["c"][0], np.arange(4))
+  assert out["c"][0].dtype == jnp.int32
+
+
+def test_checkpoint_name_values_under_jit_and_grad():
+  x = jnp.linspace(-1.0, 1.0, 6)
+  f = lambda x: jnp.sum(jnp.sin(st.checkpoint_name(x * x, "sq")))
+  g = lambda x: jnp.sum(jnp.sin(x * x))
+  np.testing.assert_allclose(jax.jit(f)(x), g(x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(f)(x), jax.grad(g)(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_checkpoint_name_needs_string(name):
+  with pytest.raises(TypeError, match="non-empty string name"):
+    st.checkpoint_name(jnp.ones(2), name)
+
+
+# ---------------------------------------------------------------------------
+# jax_policy / checkpoint_step: what the backward pass keeps.
+
+
+@pytest.mark.parametrize("listed", [
+    (), ("pre",), ("other",), ("pre", "other"), ("other", "unused"),
+])
+def test_named_internal_saved_exactly_when_listed(listed):
+  policy = st.CheckpointPolicy(save_block_internals=list(listed))
+  residuals = _step_residuals(policy)
+  for name in ("pre", "other"):
+    expected = 1 if name in listed else 0
+    assert len(_named(residuals, name)) == expected, (name, residuals)
+  # Nothing unnamed from inside the block: the rest is recomputed.
+  assert not [d for _, d in residuals if "output of" in d], residuals
+
+
+def test_default_policy_keeps_only_carry_and_input():
+  residuals = _step_residuals(st.CheckpointPolicy())
+  assert len(residuals) == 2, residuals
+  assert len(_named(residuals, policy_lib.CARRY_NAME)) == 1
+  assert any("from the argument x" in d for _, d in residuals)
+
+
+def test_save_everything_keeps_unnamed_internals():
+  listed = _step_residuals(st.CheckpointPolicy(save_block_internals=["pre"]))
+  everything = _step_residuals(st.CheckpointPolicy(save_block_internals=True))
+  unchecked = saved_residuals(
+      lambda c, x: jnp.sum(_step(c, x)["h"]), {"h": jnp.ones(5)}, jnp.ones(5))
+  assert len(everything) > len(listed)
+  assert [d for _, d in everything if "output of" in d]
+  # As many residuals as no checkpointing at all (one per saved value; the
+  # unchecked function's carry and input are not copied through names).
+  assert len(everything) >= len(unchecked)
+
+
+def test_offloaded_internal_lives_in_host_memory():
+  residuals = _step_residuals(
+      st.CheckpointPolicy(offload_block_internals=["pre"]))
+  host = [aval for aval, _ in residuals if _on_host(aval)]
+  assert len(host) == 1, residuals
+  assert host[0].shape == (5,)
+  assert not _named(residuals, "pre")
+
+
+def test_offloaded_carry_lives_in_host_memory():
+  residuals = _step_residuals(st.CheckpointPolicy(save_carries="offload"))
+  assert sum(_on_host(aval) for aval, _ in residuals) == 1, residuals
+  assert not _named(residuals, policy_lib.CARRY_NAME)
+
+
+def test_offload_alias_moves_carry_and_input_to_host():
+  residuals = _step_residuals(st.CheckpointPolicy.from_remat("offload"))
+  assert len(residuals) == 2, residuals
+  assert all(_on_host(aval) for aval, _ in residuals), residuals
+
+
+def test_disabled_policy_does_not_wrap():
+  assert st.CheckpointPolicy(disable=True).checkpoint_step(_step) is _step
+
+
+def test_checkpoint_step_values_and_grads_match_step():
+  carry = {"h": jnp.linspace(0.1, 0.9, 5)}
+  x = jnp.linspace(-1.0, 1.0, 5)
+  loss = lambda step: lambda c, x: jnp.sum(step(c, x)["h"] ** 2)
+  want = jax.grad(loss(_step), argnums=(0, 1))(carry, x)
+  for remat in [True, "offload", "save_all",
+                st.CheckpointPolicy(save_block_internals=["pre"],
+                                    offload_block_internals=["other"])]:
+    wrapped = st.CheckpointPolicy.from_remat(remat).checkpoint_step(_step)
+    np.testing.assert_allclose(wrapped(carry, x)["h"], _step(carry, x)["h"],
+                               rtol=1e-6)
+    got = jax.grad(loss(wrapped), argnums=(0, 1))(carry, x)
+    np.testing.assert_allclose(got[0]["h"], want[0]["h"], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
