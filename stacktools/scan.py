@@ -71,7 +71,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
 
   def step(carry, x):
     new_carry = f(carry, x)
-    _check_fold_output(carry, new_carry)
+    check_fold_output(carry, new_carry)
     return new_carry, None
 
   def run(init: Carry, xs: PyTree = None) -> Carry:
@@ -126,7 +126,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
           f"{_describe(out)}. A body that returns only the new carry is a fold: "
           "use st.fold.")
     new_carry, y = out
-    _check_carry(carry, new_carry)
+    check_carry(carry, new_carry)
     return new_carry, y
 
   def run(init: Carry, xs: PyTree = None) -> tuple[Carry, Y]:
@@ -334,7 +334,7 @@ def _signature(leaf):
   return tuple(jnp.shape(leaf)), jnp.result_type(leaf)
 
 
-def _check_fold_output(carry, new_carry):
+def check_fold_output(carry, new_carry):
   in_tree = jax.tree_util.tree_structure(carry)
   if (jax.tree_util.tree_structure(new_carry) != in_tree and
       isinstance(new_carry, tuple) and len(new_carry) == 2 and
@@ -342,10 +342,10 @@ def _check_fold_output(carry, new_carry):
     raise TypeError(
         "A fold body must return only the new carry, but it returned a pair "
         "(carry, y). For per-step outputs use st.scan, which stacks the ys.")
-  _check_carry(carry, new_carry)
+  check_carry(carry, new_carry)
 
 
-def _check_carry(carry, new_carry):
+def check_carry(carry, new_carry):
   """The carry a step returns must match the one it was given, leaf by leaf."""
   in_leaves, in_tree = jax.tree_util.tree_flatten_with_path(carry)
   out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(new_carry)
