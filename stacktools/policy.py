@@ -280,10 +280,16 @@ class CheckpointPolicy:
     # copy would double the memory of xs, so it is tagged only to offload it.
     tag_inputs = self.save_inputs == "offload"
 
+    # Likewise a policy that saves everything needs no names, and a named copy
+    # of the carry would only add a buffer.
+    tag_carry = self.save_block_internals is not True
+
     def named_step(carry, x):
       if tag_inputs:
         x = checkpoint_name(x, INPUT_NAME)
-      return step(checkpoint_name(carry, CARRY_NAME), x)
+      if tag_carry:
+        carry = checkpoint_name(carry, CARRY_NAME)
+      return step(carry, x)
 
     return jax.checkpoint(named_step, policy=self.jax_policy(),
                           prevent_cse=self.prevent_cse)

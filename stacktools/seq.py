@@ -14,6 +14,7 @@ unstacked parameters reproduces Stacked exactly, dropout included.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -120,6 +121,10 @@ class BlockSeq(hk.Module):
       init_keys = jax.random.split(init_key, n)
     apply_keys = stack_lib.layer_keys(n)
     step_policy = self.policy.inner()
+    if not step_policy.disable:
+      # Outside a loop XLA would merge the recomputation with the forward pass
+      # (common subexpression elimination) and keep everything after all.
+      step_policy = dataclasses.replace(step_policy, prevent_cse=True)
 
     ys = [None] * n
     for i in (reversed(range(n)) if self.reverse else range(n)):

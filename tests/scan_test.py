@@ -1,0 +1,521 @@
+"""Tests for stacktools.scan: fold, scan and map with checkpoint policies.
+
+Values and gradients are compared against a plain Python loop over sliced
+``xs`` (and ``jax.grad`` of that loop); what each policy keeps is read from
+``jax.ad_checkpoint`` saved residuals and from the compiled program's
+``memory_analysis()``; bad input is checked for the message it raises.
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stacktools as st
+from stacktools import scan as scan_lib
+
+try:  # Public in some JAX versions; only in jax._src in jax 0.10.
+  from jax.ad_checkpoint import saved_residuals
+except ImportError:
+  from jax._src.ad_checkpoint import saved_residuals
+
+B, D = 2, 4
+RTOL, ATOL = 1e-5, 1e-6
+
+ALIASES = [
+    False, "none", True, "full", "nested", "offload", "save_all",
+    st.CheckpointPolicy(save_block_internals=["name"]),
+    st.CheckpointPolicy(nested=4),
+]
+ALIAS_IDS = ["False", "none", "True", "full", "nested", "offload", "save_all",
+             "save_name", "nested4"]
+
+
+# ---------------------------------------------------------------------------
+# Helpers: inputs, the body, the reference loop.
+
+
+def _xs(n, seed=0):
+  kw, kb = jax.random.split(jax.random.PRNGKey(seed))
+  return {"w": 0.6 * jax.random.normal(kw, (n, D, D)),
+          "b": 0.3 * jax.random.normal(kb, (n, D))}
+
+
+def _init(seed=1):
+  return {"h": jax.random.normal(jax.random.PRNGKey(seed), (B, D)),
+          "c": jnp.linspace(0.1, 0.5, B)}
+
+
+def _fold_body(carry, x):
+  pre = st.checkpoint_name(carry["h"] @ x["w"] + x["b"], "name")
+  h = 0.5 * carry["h"] + jnp.tanh(pre)
+  c = 0.9 * carry["c"] + jnp.sin(h).mean(-1)
+  return {"h": h, "c": c}
+
+
+def _scan_body(carry, x):
+  new = _fold_body(carry, x)
+  return new, (new["h"].sum(-1) * x["b"][0], jnp.cos(new["c"]))
+
+
+def _slice(xs, i):
+  return jax.tree_util.tree_map(lambda a: a[i], xs)
+
+
+def _ref_scan(init, xs, n, reverse, body=_scan_body):
+  """The Python loop that st.scan must match; ys stay in the order of xs."""
+  carry, ys = init, [None] * n
+  for i in (reversed(range(n)) if reverse else range(n)):
+    carry, ys[i] = body(carry, None if xs is None else _slice(xs, i))
+  return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
+
+
+def _ref_fold(init, xs, n, reverse):
+  carry = init
+  for i in (reversed(range(n)) if reverse else range(n)):
+    carry = _fold_body(carry, _slice(xs, i))
+  return carry
+
+
+def _fold_loss(fold):
+  def loss(init, xs):
+    carry = fold(init, xs)
+    return jnp.sum(carry["h"] ** 2) + jnp.sum(jnp.sin(carry["c"]))
+  return loss
+
+
+def _scan_loss(scan):
+  def loss(init, xs):
+    carry, (y0, y1) = scan(init, xs)
+    # Weights that differ per step, so a misordered ys changes the gradient.
+    n = y0.shape[0]
+    weights = jnp.arange(1.0, n + 1.0)
+    return (jnp.sum(carry["h"] ** 2) + jnp.sum(y0 * weights[:, None]) +
+            jnp.sum(y1 * weights[:, None] ** 2))
+  return loss
+
+
+def _everything(fold, scan):
+  """Values and gradients (w.r.t. init and xs) of a fold and a scan, jitted."""
+  def run(init, xs):
+    return (fold(init, xs),
+            jax.grad(_fold_loss(fold), argnums=(0, 1))(init, xs),
+            scan(init, xs),
+            jax.grad(_scan_loss(scan), argnums=(0, 1))(init, xs))
+  return jax.jit(run)
+
+
+@functools.cache
+def _reference(n, reverse):
+  fold = lambda init, xs: _ref_fold(init, xs, n, reverse)
+  scan = lambda init, xs: _ref_scan(init, xs, n, reverse)
+  return _everything(fold, scan)(_init(), _xs(n))
+
+
+def _assert_trees_close(got, want):
+  assert (jax.tree_util.tree_structure(got) ==
+          jax.tree_util.tree_structure(want))
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                          jax.tree_util.tree_leaves(want)):
+    assert np.shape(a) == np.shape(b), jax.tree_util.keystr(path)
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def _check_against_loop(remat, n, unroll, reverse):
+  fold = st.fold(_fold_body, remat=remat, unroll=unroll, reverse=reverse)
+  scan = st.scan(_scan_body, remat=remat, unroll=unroll, reverse=reverse)
+  got = _everything(fold, scan)(_init(), _xs(n))
+  _assert_trees_close(got, _reference(n, reverse))
+
+
+# ---------------------------------------------------------------------------
+# Values and gradients against the Python loop.
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 3])
+@pytest.mark.parametrize("remat", ALIASES, ids=ALIAS_IDS)
+def test_fold_and_scan_match_loop(remat, unroll, reverse):
+  _check_against_loop(remat, 7, unroll, reverse)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 12, 13, 64])
+def test_nested_lengths_match_loop(n, unroll, reverse):
+  _check_against_loop("nested", n, unroll, reverse)
+
+
+@pytest.mark.parametrize("remat", ["full", "nested"])
+def test_full_unroll_matches_loop(remat):
+  _check_against_loop(remat, 5, True, False)
+
+
+@pytest.mark.parametrize("nested", [1, 3, 4, 13, 20])
+def test_int_nested_matches_loop(nested):
+  _check_against_loop(st.CheckpointPolicy(nested=nested), 13, 1, True)
+
+
+def test_scan_ys_keep_xs_order_when_reversed():
+  xs = jnp.arange(6.0)
+  body = lambda c, x: (c + x, c * 10.0 + x)   # y: the carry before the step.
+  for remat in [False, "full", "nested"]:
+    carry, ys = st.scan(body, remat=remat, reverse=True)(jnp.float32(0.0), xs)
+    # Steps run 5, 4, ..., 0; step i's y lands at ys[i], as in lax.scan.
+    before = {5: 0.0}
+    for i in range(4, -1, -1):
+      before[i] = before[i + 1] + xs[i + 1]
+    want = np.array([before[i] * 10.0 + i for i in range(6)])
+    np.testing.assert_allclose(ys, want, rtol=1e-6)
+    np.testing.assert_allclose(carry, 15.0, rtol=1e-6)
+    _, lax_ys = jax.lax.scan(body, jnp.float32(0.0), xs, reverse=True)
+    np.testing.assert_allclose(ys, lax_ys, rtol=1e-6)
+
+
+def _map_fn(x):
+  pre = st.checkpoint_name(jnp.tanh(x["b"] @ x["w"]), "name")
+  return {"y": jnp.sin(pre) * x["b"], "s": jnp.sum(pre ** 2)}
+
+
+def _map_loss(run):
+  def loss(xs):
+    ys = run(xs)
+    n = ys["s"].shape[0]
+    return (jnp.sum(ys["y"] * jnp.arange(1.0, n + 1.0)[:, None]) +
+            jnp.sum(ys["s"] * jnp.arange(n)))
+  return loss
+
+
+def _ref_map(xs):
+  n = xs["w"].shape[0]
+  ys = [_map_fn(_slice(xs, i)) for i in range(n)]
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
+
+
+@functools.cache
+def _map_reference(n):
+  run = lambda xs: (_ref_map(xs), jax.grad(_map_loss(_ref_map))(xs))
+  return jax.jit(run)(_xs(n))
+
+
+@pytest.mark.parametrize("remat", ALIASES, ids=ALIAS_IDS)
+def test_map_matches_loop(remat):
+  mapped = st.map(_map_fn, remat=remat)
+  run = lambda xs: (mapped(xs), jax.grad(_map_loss(mapped))(xs))
+  _assert_trees_close(jax.jit(run)(_xs(7)), _map_reference(7))
+
+
+def _counter_body(carry, x):
+  assert x is None
+  h, c = carry
+  h = jnp.tanh(h * 1.3 + c[:, None])
+  return (h, c + jnp.sin(h).sum(-1))
+
+
+@pytest.mark.parametrize("remat", [False, "full", "nested",
+                                   st.CheckpointPolicy(nested=2)])
+def test_xs_none_with_length(remat):
+  init = (jnp.linspace(-1.0, 1.0, B * D).reshape(B, D), jnp.zeros(B))
+  scan_body = lambda carry, x: (_counter_body(carry, x), carry[0].sum())
+
+  def run(init):
+    fold = st.fold(_counter_body, length=5, remat=remat)
+    scan = st.scan(scan_body, length=5, remat=remat)
+    loss = lambda init: jnp.sum(fold(init)[0] ** 2)
+    return fold(init), scan(init, None), jax.grad(loss)(init)
+
+  def ref(init):
+    fold = lambda init: _ref_scan(init, None, 5, False,
+                                  lambda c, x: (_counter_body(c, x), 0))[0]
+    loss = lambda init: jnp.sum(fold(init)[0] ** 2)
+    return (fold(init), _ref_scan(init, None, 5, False, scan_body),
+            jax.grad(loss)(init))
+
+  _assert_trees_close(jax.jit(run)(init), ref(init))
+
+
+def test_length_matching_xs_is_accepted():
+  got = st.fold(_fold_body, length=7)(_init(), _xs(7))
+  _assert_trees_close(got, _ref_fold(_init(), _xs(7), 7, False))
+
+
+# ---------------------------------------------------------------------------
+# nested_split.
+
+
+@pytest.mark.parametrize("n", range(1, 101))
+def test_nested_split_covers_length_sublinearly(n):
+  outer, inner, remainder = scan_lib.nested_split(n, True)
+  assert outer >= 1 and inner >= 1 and remainder >= 0
+  assert outer * inner + remainder == n
+  assert remainder < inner or (outer, inner, remainder) == (1, 1, 0)
+  peak = outer + (remainder > 0) + inner
+  assert peak <= 2 * math.ceil(math.sqrt(n)) + 1, (outer, inner, remainder)
+
+
+@pytest.mark.parametrize("n", [13, 61, 97])
+def test_nested_split_of_prime_is_not_trivial(n):
+  split = scan_lib.nested_split(n, True)
+  assert split not in [(1, n, 0), (n, 1, 0)]
+  outer, inner, _ = split
+  assert max(outer, inner) <= math.isqrt(n) + 2, split
+
+
+@pytest.mark.parametrize("n, nested, want", [
+    (13, 4, (4, 3, 1)), (12, 4, (4, 3, 0)), (64, 8, (8, 8, 0)),
+    (5, 1, (1, 5, 0)), (3, 7, (3, 1, 0)),
+])
+def test_nested_split_int(n, nested, want):
+  assert scan_lib.nested_split(n, nested) == want
+
+
+def test_nested_split_docstring_example_holds():
+  doc = scan_lib.nested_split.__doc__
+  match = re.search(r"nested_split\((\d+), True\)\s*#\s*\((\d+), (\d+), (\d+)\)",
+                    doc)
+  assert match, doc
+  n, *want = (int(g) for g in match.groups())
+  assert scan_lib.nested_split(n, True) == tuple(want)
+
+
+def test_nested_split_rejects_empty_loop():
+  with pytest.raises(ValueError, match="length >= 1"):
+    scan_lib.nested_split(0, True)
+
+
+# ---------------------------------------------------------------------------
+# What each policy keeps: saved residuals of a fold of an MLP-like block.
+
+RB, RD = 3, 4   # Carry (RB, RD); weights (N, RD, RD): the shapes differ.
+
+
+def _mlp_block(h, w):
+  return h + jnp.tanh(st.checkpoint_name(h @ w, "pre"))
+
+
+def _residuals(remat, n):
+  """(aval, description) for each value the backward pass keeps."""
+  def loss(ws, h):
+    return jnp.sum(st.fold(_mlp_block, remat=remat)(h, ws))
+  return saved_residuals(loss, jnp.ones((n, RD, RD)), jnp.ones((RB, RD)))
+
+
+def _computed(residuals):
+  """Residuals that are not the function's own arguments."""
+  return [aval for aval, desc in residuals if "from the argument" not in desc]
+
+
+def _on_host(aval):
+  space = getattr(aval, "memory_space", None)
+  return "host" in str(space).lower() or "<host>" in str(aval)
+
+
+def _per_layer(avals, n):
+  return [a for a in avals if a.shape == (n, RB, RD)]
+
+
+def test_full_keeps_only_the_carries():
+  computed = _computed(_residuals("full", 8))
+  assert [a.shape for a in computed] == [(8, RB, RD)], computed
+
+
+def test_named_internal_adds_one_stacked_residual():
+  full = _per_layer(_computed(_residuals("full", 8)), 8)
+  policy = st.CheckpointPolicy(save_block_internals=["pre"])
+  named = _computed(_residuals(policy, 8))
+  assert len(_per_layer(named, 8)) == len(full) + 1 == 2, named
+  assert len(named) == 2, named
+
+
+def test_unlisted_name_adds_nothing():
+  policy = st.CheckpointPolicy(save_block_internals=["not_there"])
+  computed = _computed(_residuals(policy, 8))
+  assert [a.shape for a in computed] == [(8, RB, RD)], computed
+
+
+def test_no_remat_keeps_more_than_full():
+  none = _per_layer(_computed(_residuals(False, 8)), 8)
+  full = _per_layer(_computed(_residuals("full", 8)), 8)
+  assert len(none) > len(full)
+
+
+def test_save_all_keeps_what_no_remat_keeps():
+  shapes = lambda r: sorted(a.shape for a, _ in r)
+  assert shapes(_residuals("save_all", 8)) == shapes(_residuals(False, 8))
+
+
+def test_nested_keeps_sqrt_n_carries():
+  n = 64
+  residuals = _residuals("nested", n)
+  computed = _computed(residuals)
+  assert not [a for a in computed if a.shape and a.shape[0] == n], residuals
+  carry_elems = sum(a.size for a in computed
+                    if jnp.issubdtype(a.dtype, jnp.floating))
+  assert 0 < carry_elems <= (2 * math.sqrt(n) + 2) * RB * RD, residuals
+
+
+def test_offload_keeps_carries_and_inputs_on_host():
+  n = 8
+  computed = _computed(_residuals("offload", n))
+  on_host = [a for a in computed if _on_host(a)]
+  on_device = [a for a in computed if not _on_host(a)]
+  assert [a.shape for a in on_host if a.shape == (n, RB, RD)] == [(n, RB, RD)]
+  assert [a.shape for a in on_host if a.shape == (n, RD, RD)] == [(n, RD, RD)]
+  assert not _per_layer(on_device, n), computed
+
+
+def test_nested_offload_keeps_outer_carries_on_host():
+  policy = st.CheckpointPolicy(nested=True, save_carries="offload")
+  computed = _computed(_residuals(policy, 16))
+  floats = [a for a in computed if jnp.issubdtype(a.dtype, jnp.floating)]
+  assert floats and all(_on_host(a) for a in floats), computed
+  assert not [a for a in floats if a.shape[0] == 16], computed
+
+
+# ---------------------------------------------------------------------------
+# Memory of the compiled gradient program (lower and compile, never run).
+
+
+@functools.cache
+def _temp_bytes(remat, n, width=256, batch=1024):
+  def loss(ws, h):
+    return jnp.sum(st.fold(_mlp_block, remat=remat)(h, ws))
+  compiled = jax.jit(jax.grad(loss)).lower(
+      jnp.zeros((n, width, width)), jnp.zeros((batch, width))).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+SAVE_PRE = st.CheckpointPolicy(save_block_internals=["pre"])
+
+
+def test_memory_order_64_layers():
+  none, named = _temp_bytes(False, 64), _temp_bytes(SAVE_PRE, 64)
+  full, nested = _temp_bytes("full", 64), _temp_bytes("nested", 64)
+  assert none > named > full > nested, (none, named, full, nested)
+  assert nested <= 0.5 * full, (nested, full)
+
+
+def test_memory_nested_prime_length():
+  nested, full = _temp_bytes("nested", 61), _temp_bytes("full", 61)
+  assert nested <= 0.6 * full, (nested, full)
+
+
+def test_memory_save_all_no_more_than_none():
+  assert _temp_bytes("save_all", 64) <= _temp_bytes(False, 64)
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+def _ones_xs(**leading):
+  return {k: jnp.ones((n, D)) for k, n in leading.items()}
+
+
+def _add_body(carry, x):
+  return {"h": carry["h"] + x["w"].sum()}
+
+
+def _h():
+  return {"h": jnp.ones((B, D))}
+
+
+@pytest.mark.parametrize("loop", [st.fold, st.scan])
+def test_leading_axis_not_length(loop):
+  with pytest.raises(ValueError,
+                     match=r"xs\['w'\] has a leading axis of 7, but length=5"):
+    loop(_add_body, length=5)(_h(), _ones_xs(w=7))
+
+
+@pytest.mark.parametrize("loop", [st.fold, st.scan])
+def test_leaves_with_different_leading_axes(loop):
+  with pytest.raises(ValueError,
+                     match=r"xs\['w'\] has a leading axis of 6, but "
+                     r"xs\['a'\] has 5"):
+    loop(_add_body)(_h(), _ones_xs(a=5, w=6))
+
+
+@pytest.mark.parametrize("loop", [st.fold, st.scan])
+def test_xs_none_needs_length(loop):
+  with pytest.raises(ValueError, match=r"xs is None.*length=N"):
+    loop(lambda c, x: c)(_h())
+
+
+def test_scalar_leaf_in_xs():
+  xs = {"w": jnp.ones((5, D)), "s": 1.0}
+  with pytest.raises(ValueError, match=r"xs\['s'\] is a scalar"):
+    st.fold(_add_body)(_h(), xs)
+
+
+@pytest.mark.parametrize("length", [-1, 2.0, True])
+def test_bad_length(length):
+  with pytest.raises(ValueError, match=re.escape(f"length={length!r}")):
+    st.fold(_add_body, length=length)(_h(), None)
+
+
+@pytest.mark.parametrize("loop", [st.fold, st.scan])
+@pytest.mark.parametrize("unroll", [0, -1, 1.5])
+def test_bad_unroll(loop, unroll):
+  with pytest.raises(ValueError, match=rf"unroll={unroll}.*int >= 1"):
+    loop(_add_body, unroll=unroll)
+
+
+@pytest.mark.parametrize("remat", [False, "full", "nested"])
+def test_fold_body_returning_pair(remat):
+  body = lambda c, x: (_add_body(c, x), x["w"].sum())
+  with pytest.raises(TypeError, match=r"pair \(carry, y\).*use st\.scan"):
+    st.fold(body, remat=remat)(_h(), _ones_xs(w=4))
+
+
+@pytest.mark.parametrize("remat", [False, "full", "nested"])
+@pytest.mark.parametrize("out, described", [
+    (lambda c, x: c["h"] + 1.0, r"an array of shape \(2, 4\)"),
+    (lambda c, x: (c, x, x), "a tuple of 3"),
+    (lambda c, x: c, "a dict"),
+])
+def test_scan_body_not_returning_pair(remat, out, described):
+  with pytest.raises(TypeError, match=rf"pair \(new_carry, y\).*{described}"):
+    st.scan(out, remat=remat)(_h(), _ones_xs(w=4))
+
+
+@pytest.mark.parametrize("loop", ["fold", "scan"])
+@pytest.mark.parametrize("remat", [False, "full", "nested"])
+def test_carry_shape_change(loop, remat):
+  new = lambda c, x: {"h": c["h"][:, :2]}
+  with pytest.raises(TypeError, match=re.escape(
+      "changed carry['h'] from float32[2, 4] to float32[2, 2]")):
+    _run_bad_body(loop, remat, new)
+
+
+@pytest.mark.parametrize("loop", ["fold", "scan"])
+@pytest.mark.parametrize("remat", [False, "full", "nested"])
+def test_carry_dtype_change(loop, remat):
+  new = lambda c, x: {"h": c["h"].astype(jnp.bfloat16)}
+  with pytest.raises(TypeError, match=re.escape(
+      "changed carry['h'] from float32[2, 4] to bfloat16[2, 4]")):
+    _run_bad_body(loop, remat, new)
+
+
+@pytest.mark.parametrize("loop", ["fold", "scan"])
+@pytest.mark.parametrize("remat", [False, "full", "nested"])
+def test_carry_structure_change(loop, remat):
+  new = lambda c, x: {"h": c["h"], "extra": x["w"]}
+  with pytest.raises(TypeError, match=r"changed the structure of the carry"):
+    _run_bad_body(loop, remat, new)
+
+
+def _run_bad_body(loop, remat, new):
+  xs = _ones_xs(w=4)
+  if loop == "fold":
+    return st.fold(new, remat=remat)(_h(), xs)
+  return st.scan(lambda c, x: (new(c, x), 0.0), remat=remat)(_h(), xs)
+
+
+def test_map_needs_xs():
+  with pytest.raises(ValueError, match=r"st\.map needs xs.*got None"):
+    st.map(jnp.sin)(None)
