@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import scan as scan_lib
+from stacktools.scan import nested_split
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
@@ -250,7 +250,7 @@ def test_length_matching_xs_is_accepted():
 
 @pytest.mark.parametrize("n", range(1, 101))
 def test_nested_split_covers_length_sublinearly(n):
-  outer, inner, remainder = scan_lib.nested_split(n, True)
+  outer, inner, remainder = nested_split(n, True)
   assert outer >= 1 and inner >= 1 and remainder >= 0
   assert outer * inner + remainder == n
   assert remainder < inner or (outer, inner, remainder) == (1, 1, 0)
@@ -260,7 +260,7 @@ def test_nested_split_covers_length_sublinearly(n):
 
 @pytest.mark.parametrize("n", [13, 61, 97])
 def test_nested_split_of_prime_is_not_trivial(n):
-  split = scan_lib.nested_split(n, True)
+  split = nested_split(n, True)
   assert split not in [(1, n, 0), (n, 1, 0)]
   outer, inner, _ = split
   assert max(outer, inner) <= math.isqrt(n) + 2, split
@@ -271,21 +271,21 @@ def test_nested_split_of_prime_is_not_trivial(n):
     (5, 1, (1, 5, 0)), (3, 7, (3, 1, 0)),
 ])
 def test_nested_split_int(n, nested, want):
-  assert scan_lib.nested_split(n, nested) == want
+  assert nested_split(n, nested) == want
 
 
 def test_nested_split_docstring_example_holds():
-  doc = scan_lib.nested_split.__doc__
+  doc = nested_split.__doc__
   match = re.search(r"nested_split\((\d+), True\)\s*#\s*\((\d+), (\d+), (\d+)\)",
                     doc)
   assert match, doc
   n, *want = (int(g) for g in match.groups())
-  assert scan_lib.nested_split(n, True) == tuple(want)
+  assert nested_split(n, True) == tuple(want)
 
 
 def test_nested_split_rejects_empty_loop():
   with pytest.raises(ValueError, match="length >= 1"):
-    scan_lib.nested_split(0, True)
+    nested_split(0, True)
 
 
 # ---------------------------------------------------------------------------

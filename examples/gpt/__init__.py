@@ -1,0 +1,1 @@
+"""A small character-level GPT built on stacktools."""

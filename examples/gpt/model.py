@@ -1,0 +1,222 @@
+"""A decoder-only GPT in Haiku whose blocks live in a stacktools stack.
+
+Token and learned position embeddings, pre-LayerNorm blocks of causal
+multi-head self-attention and an MLP, a final LayerNorm and an output head.
+
+The blocks come in two flavours, chosen by ``GPTConfig.block``:
+
+* ``"fold"``: a block returns the new residual stream, and the stack folds it.
+* ``"scan"``: a block returns ``(x, stats)``, with per-layer numbers worth
+  watching (attention entropy, size of the residual update); the stack
+  returns them stacked on a leading Layers axis.
+
+The same block, given a per-layer KV cache through ``st.per_layer``, returns
+``(x, new_cache)``: that is how :func:`decode` generates token by token.
+
+The attention and MLP intermediates are named with ``st.checkpoint_name``
+(``attn_out``, ``attn_probs``, ``mlp_hidden``, ``mlp_out``) so a policy can
+keep them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import stacktools as st
+
+CHECKPOINT_NAMES = ("attn_probs", "attn_out", "mlp_hidden", "mlp_out")
+Cache = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Model shape and how its blocks are stacked.
+
+  Attributes:
+    vocab_size: number of token ids.
+    seq_len: the longest sequence (the size of the position table).
+    num_layers: number of blocks.
+    num_heads: attention heads; must divide ``d_model``.
+    d_model: residual stream width.
+    mlp_ratio: MLP hidden width over ``d_model``.
+    block: ``"fold"`` or ``"scan"`` (see the module docstring).
+    stack: ``"scan"`` (``st.Stacked``) or ``"unrolled"`` (``st.BlockSeq``).
+    remat: a checkpoint policy or alias for the stack.
+    unroll: layers per rolled loop iteration of the stack.
+  """
+
+  vocab_size: int
+  seq_len: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  d_model: int = 128
+  mlp_ratio: int = 4
+  block: str = "fold"
+  stack: str = "scan"
+  remat: Any = False
+  unroll: int = 1
+
+  def __post_init__(self):
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by "
+                       f"num_heads={self.num_heads}.")
+    if self.block not in ("fold", "scan"):
+      raise ValueError(f"block={self.block!r}: use 'fold' or 'scan'.")
+    if self.stack not in ("scan", "unrolled"):
+      raise ValueError(f"stack={self.stack!r}: use 'scan' or 'unrolled'.")
+
+
+class CausalSelfAttention(hk.Module):
+  """Multi-head causal self-attention, with an optional KV cache."""
+
+  def __init__(self, cfg: GPTConfig, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.cfg = cfg
+
+  def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
+               pos: Optional[jax.Array] = None):
+    """Attends over ``x`` (``[B, T, D]``), or over ``cache`` plus ``x``.
+
+    Returns:
+      ``(out, probs, new_cache)``; ``new_cache`` is ``None`` without a cache.
+    """
+    cfg = self.cfg
+    b, t, _ = x.shape
+    head_dim = cfg.d_model // cfg.num_heads
+    qkv = hk.Linear(3 * cfg.d_model, name="qkv")(x)
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, head_dim), 3, axis=2)
+    query_pos = jnp.arange(t)
+    new_cache = None
+    if cache is not None:
+      # The new keys and values go in at ``pos``; queries attend to every
+      # cached position up to their own.
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype),
+                                       (0, pos, 0, 0))
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype),
+                                       (0, pos, 0, 0))
+      new_cache = {"k": k, "v": v}
+      query_pos = query_pos + pos
+    key_pos = jnp.arange(k.shape[1])
+    mask = key_pos[None, :] <= query_pos[:, None]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.d_model)
+    out = st.checkpoint_name(hk.Linear(cfg.d_model, name="proj")(out), "attn_out")
+    return out, probs, new_cache
+
+
+class Block(hk.Module):
+  """A pre-LayerNorm transformer block (attention, then MLP)."""
+
+  def __init__(self, cfg: GPTConfig, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.cfg = cfg
+
+  def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
+               pos: Optional[jax.Array] = None):
+    cfg = self.cfg
+    x_in = x
+    ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln1")
+    attn, probs, new_cache = CausalSelfAttention(cfg, name="attn")(ln1(x), cache, pos)
+    x = x + attn
+    ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln2")
+    h = hk.Linear(cfg.mlp_ratio * cfg.d_model, name="fc")(ln2(x))
+    h = st.checkpoint_name(jax.nn.gelu(h), "mlp_hidden")
+    x = x + st.checkpoint_name(hk.Linear(cfg.d_model, name="fc_out")(h), "mlp_out")
+    if cache is not None:
+      return x, new_cache
+    if cfg.block == "fold":
+      return x
+    return x, block_stats(x_in, x, probs)
+
+
+def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str, jax.Array]:
+  """Per-layer numbers for a scan block: what the layer did to the stream."""
+  entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+  update = jnp.linalg.norm(x_out - x_in, axis=-1)
+  stream = jnp.linalg.norm(x_in, axis=-1)
+  return {
+      # Mean entropy (nats) of each query's attention distribution.
+      "attn_entropy": jnp.mean(entropy),
+      # How much the block changed the residual stream, relative to its size.
+      "update_ratio": jnp.mean(update / jnp.maximum(stream, 1e-6)),
+  }
+
+
+def _stack(cfg: GPTConfig):
+  cls = st.Stacked if cfg.stack == "scan" else st.BlockSeq
+  return cls(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat,
+             unroll=cfg.unroll, name="h")
+
+
+def _embed(cfg: GPTConfig, tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
+  init = hk.initializers.RandomNormal(0.02)
+  tok = hk.Embed(cfg.vocab_size, cfg.d_model, w_init=init, name="tok_embed")
+  positions = pos + jnp.arange(tokens.shape[1])
+  pos_embed = hk.Embed(cfg.seq_len, cfg.d_model, w_init=init, name="pos_embed")
+  return tok(tokens) + pos_embed(positions)[None]
+
+
+def _head(cfg: GPTConfig, x: jax.Array) -> jax.Array:
+  x = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln_f")(x)
+  return hk.Linear(cfg.vocab_size, name="head")(x)
+
+
+def forward(cfg: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:
+  """Logits for every position of ``tokens`` (``[B, T]``), and per-layer stats.
+
+  Call inside ``hk.transform``. Stats are ``None`` for fold blocks and a dict
+  of ``[num_layers]`` arrays for scan blocks.
+  """
+  x = _embed(cfg, tokens)
+  stack = _stack(cfg)
+  stats = None
+  if cfg.block == "fold":
+    x = stack.fold(x)
+  else:
+    x, stats = stack.scan(x)
+  return _head(cfg, x), stats
+
+
+def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32) -> Cache:
+  """An empty KV cache: ``[num_layers, B, seq_len, heads, head_dim]`` each."""
+  shape = (cfg.num_layers, batch_size, cfg.seq_len, cfg.num_heads,
+           cfg.d_model // cfg.num_heads)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
+           pos: jax.Array) -> tuple[jax.Array, Cache]:
+  """Logits for ``tokens`` placed at ``pos``, attending to the cache.
+
+  Call inside ``hk.transform`` (same parameters as :func:`forward`). The
+  cache goes into the stack sliced per layer with ``st.per_layer`` and the
+  updated cache comes back as the stack's scan output.
+
+  Args:
+    cfg: the model config.
+    tokens: ``[B, T]``: the prompt (prefill, ``pos=0``) or one new token.
+    cache: from :func:`init_cache` or the previous call.
+    pos: where ``tokens`` start.
+
+  Returns:
+    ``(logits [B, T, vocab], new_cache)``.
+  """
+  x = _embed(cfg, tokens, pos)
+  x, cache = _stack(cfg).scan(x, st.per_layer(cache), pos)
+  return _head(cfg, x), cache
+
+
+def loss_fn(cfg: GPTConfig, tokens: jax.Array):
+  """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats."""
+  logits, stats = forward(cfg, tokens[:, :-1])
+  targets = tokens[:, 1:]
+  log_probs = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+  return jnp.mean(nll), stats

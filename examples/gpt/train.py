@@ -1,0 +1,301 @@
+r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
+
+  python examples/gpt/train.py                         # defaults: ~2 minutes on 2 CPU cores
+  python examples/gpt/train.py --remat=nested --block=scan
+  python examples/gpt/train.py --stack=unrolled        # st.BlockSeq, a Python loop
+  python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
+
+Logs step, train and validation loss, tokens/s and step time, and at start-up
+the compiled temp memory of the train step (which is what --remat changes).
+Writes metrics.jsonl, checkpoint.npz (every --checkpoint_every steps) and
+loss.png (with matplotlib installed) to --workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from absl import app
+from absl import flags
+from absl import logging
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# Runnable as a script from anywhere: put the repository root on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import stacktools as st  # pylint: disable=g-import-not-at-top
+from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
+
+REMAT_CHOICES = ("none", "full", "nested", "offload", "save_all")
+
+_REMAT = flags.DEFINE_enum("remat", "full", REMAT_CHOICES, "Checkpoint policy of the block stack.")
+_SAVE_NAMES = flags.DEFINE_list(
+    "save_names", [], "Checkpoint names to keep on top of --remat (one of "
+    f"{', '.join(model_lib.CHECKPOINT_NAMES)}); needs --remat full, nested or offload.")
+_NESTED_OUTER = flags.DEFINE_integer(
+    "nested_outer", None, "Outer-loop size for --remat=nested (default: the "
+    "split that keeps the fewest carries).", lower_bound=1)
+_BLOCK = flags.DEFINE_enum("block", "fold", ("fold", "scan"),
+                           "fold: blocks return x; scan: blocks return (x, per-layer stats).")
+_STACK = flags.DEFINE_enum("stack", "scan", ("scan", "unrolled"),
+                           "scan: st.Stacked; unrolled: st.BlockSeq (a Python loop).")
+_UNROLL = flags.DEFINE_integer("unroll", 1, "Layers per rolled scan iteration.", lower_bound=1)
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1)
+_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
+_D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Peak learning rate.", lower_bound=0.0)
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.", lower_bound=0)
+_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0)
+_GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global gradient-norm clip (0: off).", lower_bound=0.0)
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1)
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/gpt", "Where metrics, checkpoints and plots go.")
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", 0, "Steps between checkpoints (0: only at the end).", lower_bound=0)
+_RESUME = flags.DEFINE_bool("resume", False, "Continue from the checkpoint in --workdir.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1)
+_DATA_PATH = flags.DEFINE_string(
+    "data_path", None, "A UTF-8 text file to train on (default: this Python's "
+    "standard-library sources).")
+_SAMPLE_TOKENS = flags.DEFINE_integer(
+    "sample_tokens", 200, "Characters to generate with the KV cache after training.",
+    lower_bound=0)
+_SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "def ", "Prompt for the sample.")
+
+
+flags.register_multi_flags_validator(
+    ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
+    message="--d_model must be divisible by --num_heads.")
+flags.register_validator(
+    "save_names", lambda names: set(names) <= set(model_lib.CHECKPOINT_NAMES),
+    message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
+flags.register_multi_flags_validator(
+    ["save_names", "remat"],
+    lambda f: not f["save_names"] or f["remat"] in ("full", "nested", "offload"),
+    message="--save_names needs --remat full, nested or offload (none and save_all "
+    "keep everything already).")
+flags.register_multi_flags_validator(
+    ["nested_outer", "remat"], lambda f: f["nested_outer"] is None or f["remat"] == "nested",
+    message="--nested_outer needs --remat=nested.")
+
+
+def checkpoint_policy(remat: str, save_names: list[str],
+                      nested_outer: Optional[int]) -> st.CheckpointPolicy:
+  """The policy the flags ask for."""
+  policy = st.CheckpointPolicy.from_remat(remat)
+  if save_names:
+    policy = dataclasses.replace(policy, save_block_internals=tuple(save_names))
+  if nested_outer is not None:
+    policy = dataclasses.replace(policy, nested=nested_outer)
+  return policy
+
+
+def make_optimizer(steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup and cosine decay (to a tenth), gradients clipped."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=_LEARNING_RATE.value,
+      warmup_steps=min(_WARMUP_STEPS.value, steps), decay_steps=steps,
+      end_value=_LEARNING_RATE.value / 10)
+  parts = []
+  if _GRAD_CLIP.value > 0:
+    parts.append(optax.clip_by_global_norm(_GRAD_CLIP.value))
+  parts.append(optax.adamw(schedule, weight_decay=_WEIGHT_DECAY.value))
+  return optax.chain(*parts)
+
+
+def check_data(dataset: data_lib.CharDataset, batch_size: int, seq_len: int) -> None:
+  need = batch_size * (seq_len + 1)
+  for split, ids in (("training", dataset.train), ("validation", dataset.valid)):
+    if len(ids) < max(need, seq_len + 2):
+      sys.exit(f"error: --data_path: the {split} split has {len(ids)} characters, "
+               f"fewer than one batch (--batch_size={batch_size} x (--seq_len="
+               f"{seq_len} + 1) = {need}); use a longer text or smaller flags.")
+
+
+def load_data() -> data_lib.CharDataset:
+  path = _DATA_PATH.value
+  if path is not None:
+    if not os.path.isfile(path):
+      sys.exit(f"error: --data_path={path!r} does not exist or is not a file; "
+               "pass a UTF-8 text file, or omit the flag to train on the "
+               "standard-library corpus.")
+    try:
+      return data_lib.load_dataset(path)
+    except UnicodeDecodeError as e:
+      sys.exit(f"error: --data_path={path!r} is not UTF-8 text ({e}).")
+  return data_lib.load_dataset(None)
+
+
+def write_metrics(path: str, records: list[dict[str, Any]]) -> None:
+  data_lib.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def plot_losses(workdir: str, records: list[dict[str, Any]], unigram: float) -> None:
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    logging.info("matplotlib is not installed: no loss.png (pip install matplotlib).")
+    return
+  train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+  valid = [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  if train:
+    ax.plot(*zip(*train), label="train")
+  if valid:
+    ax.plot(*zip(*valid), marker="o", label="validation")
+  ax.axhline(unigram, color="gray", linestyle="--", label="unigram entropy")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per character)")
+  ax.set_title("stacktools GPT")
+  ax.legend()
+  fig.tight_layout()
+  path = os.path.join(workdir, "loss.png")
+  fig.savefig(path + ".tmp.png", dpi=100)
+  os.replace(path + ".tmp.png", path)
+  plt.close(fig)
+  logging.info("Wrote %s", path)
+
+
+def main(argv):
+  if len(argv) > 1:
+    sys.exit(f"error: unexpected arguments {argv[1:]}; every option is a --flag.")
+  # Everything is checked before anything is written.
+  workdir = _WORKDIR.value
+  if _RESUME.value:
+    try:
+      checkpoint.load_meta(workdir)
+    except checkpoint.CheckpointError as e:
+      sys.exit(f"error: --resume: {e}")
+  dataset = load_data()
+  check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
+  policy = checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value)
+  cfg = model_lib.GPTConfig(
+      vocab_size=dataset.vocab_size, seq_len=_SEQ_LEN.value,
+      num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
+      d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
+      remat=policy, unroll=_UNROLL.value)
+  steps = _STEPS.value
+  logging.info("Corpus: %d training and %d validation characters, %d symbols; "
+               "unigram entropy %.3f nats.", len(dataset.train),
+               len(dataset.valid), dataset.vocab_size, dataset.unigram_entropy())
+  logging.info("Model: %s", cfg)
+
+  model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  optimizer = make_optimizer(steps)
+  eval_sampler = data_lib.BatchSampler(dataset.valid, _BATCH_SIZE.value,
+                                       _SEQ_LEN.value, _SEED.value + 1)
+  eval_batches = [eval_sampler.next() for _ in range(_EVAL_BATCHES.value)]
+
+  sampler = data_lib.BatchSampler(dataset.train, _BATCH_SIZE.value, _SEQ_LEN.value,
+                                  _SEED.value)
+  params = jax.jit(model.init)(jax.random.PRNGKey(_SEED.value), sampler_peek(sampler))
+  opt_state = optimizer.init(params)
+  start_step, records = 0, []
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if _RESUME.value:
+    try:
+      trees, meta = checkpoint.load(workdir, {"params": params, "opt_state": opt_state})
+    except checkpoint.CheckpointError as e:
+      sys.exit(f"error: --resume: {e}")
+    params, opt_state = trees["params"], trees["opt_state"]
+    start_step = meta["step"]
+    sampler.set_state(meta["sampler_state"])
+    if os.path.exists(metrics_path):
+      with open(metrics_path, encoding="utf-8") as f:
+        records = [r for r in map(json.loads, f) if r["step"] <= start_step]
+    logging.info("Resumed from step %d.", start_step)
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  logging.info("Parameters: %d", num_params)
+
+  def train_step(params, opt_state, tokens):
+    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, stats
+
+  compiled_step = jax.jit(train_step).lower(params, opt_state, sampler_peek(sampler)).compile()
+  memory = compiled_step.memory_analysis()
+  logging.info("Train step: compiled temp memory %.2f MiB (remat=%s%s, stack=%s, block=%s).",
+               memory.temp_size_in_bytes / 2**20, _REMAT.value,
+               f", save_names={','.join(_SAVE_NAMES.value)}" if _SAVE_NAMES.value else "",
+               cfg.stack, cfg.block)
+  eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
+
+  def evaluate(params) -> float:
+    return float(np.mean([eval_loss(params, b) for b in eval_batches]))
+
+  def save_checkpoint(step):
+    checkpoint.save(workdir, {"params": params, "opt_state": opt_state}, {
+        "step": step, "sampler_state": sampler.get_state(),
+        "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                   if f.name != "remat"},
+        "chars": dataset.chars})
+
+  os.makedirs(workdir, exist_ok=True)
+  write_metrics(metrics_path, records)
+  window_losses, window_start = [], time.perf_counter()
+  tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
+  for step in range(start_step + 1, steps + 1):
+    params, opt_state, loss, stats = compiled_step(params, opt_state, sampler.next())
+    window_losses.append(loss)
+    record = None
+    if step % _LOG_EVERY.value == 0 or step == steps:
+      losses = [float(l) for l in window_losses]
+      elapsed = time.perf_counter() - window_start
+      record = {"step": step, "train_loss": float(np.mean(losses)),
+                "step_time_s": elapsed / len(losses),
+                "tokens_per_s": tokens_per_step * len(losses) / elapsed}
+      message = (f"step {step:5d}  train loss {record['train_loss']:.4f}  "
+                 f"{record['tokens_per_s']:8.0f} tokens/s  "
+                 f"{1000 * record['step_time_s']:6.1f} ms/step")
+      if stats is not None:
+        for name, values in stats.items():
+          record[name] = [round(float(v), 4) for v in values]
+          message += f"\n    {name:>13} per layer: " + " ".join(f"{v:.3f}" for v in record[name])
+      logging.info(message)
+      window_losses, window_start = [], time.perf_counter()
+    if step % _EVAL_EVERY.value == 0 or step == steps:
+      record = record or {"step": step}
+      record["valid_loss"] = evaluate(params)
+      logging.info("step %5d  validation loss %.4f", step, record["valid_loss"])
+      window_start = time.perf_counter()  # evaluation is not training time
+    if record is not None:
+      records.append(record)
+      write_metrics(metrics_path, records)
+    if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == steps:
+      save_checkpoint(step)
+
+  logging.info("Final validation loss %.4f (unigram entropy %.4f).",
+               records[-1].get("valid_loss", float("nan")) if records else float("nan"),
+               dataset.unigram_entropy())
+  plot_losses(workdir, records, dataset.unigram_entropy())
+  if _SAMPLE_TOKENS.value:
+    text = sample_lib.generate(cfg, params, dataset, _SAMPLE_PROMPT.value,
+                               _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
+    logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
+
+
+def sampler_peek(sampler: data_lib.BatchSampler) -> np.ndarray:
+  """A batch of the right shape, without advancing the sampler."""
+  return np.zeros((sampler.batch_size, sampler.seq_len + 1), np.int32)
+
+
+if __name__ == "__main__":
+  app.run(main)
