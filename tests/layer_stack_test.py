@@ -465,6 +465,16 @@ def test_parameter_reuse():
   once = _loop(block, params, (x,), num_layers=n, prefix=prefix)
   _assert_close(out, _loop(block, params, (once,), num_layers=n, prefix=prefix))
 
+  # Outside a module, two calls make two stacks, as in Haiku.
+  def build_top(ls):
+    def f(x):
+      stack = ls(n)(block)
+      return stack(stack(x))
+    return hk.transform(f)
+  shapes = _signature(jax.eval_shape(build_top(st.layer_stack).init, INIT_KEY, x))
+  assert shapes == _signature(jax.eval_shape(build_top(hk.layer_stack).init, INIT_KEY, x))
+  assert sorted(shapes) == [f"{NO_PER_LAYER}/linear", f"{NO_PER_LAYER}_1/linear"]
+
 
 # ---------------------------------------------------------------------------
 # Randomness.
@@ -511,6 +521,27 @@ def test_rng_none():
   # Haiku's own error (a ValueError subclass, MissingRNGError).
   with pytest.raises(ValueError, match="You must pass a non-None PRNGKey"):
     jax.eval_shape(lambda x: rand.apply({}, None, x), x)
+
+
+def test_drop_in_leaves_the_rest_of_the_model_unchanged():
+  """The stack draws as many keys as hk.layer_stack, at init and at apply."""
+  def build(ls):
+    def fn(x):
+      x = hk.Linear(D, name="pre")(x)
+      x = ls(3)(lambda x: x + jnp.tanh(hk.Linear(D)(x)))(x)
+      x = hk.Linear(D, name="post")(x)
+      return x + jax.random.normal(hk.next_rng_key(), x.shape)
+    return hk.transform(fn)
+
+  x = _x()
+  hk_params = jax.jit(build(hk.layer_stack).init)(INIT_KEY, x)
+  st_params = jax.jit(build(st.layer_stack).init)(INIT_KEY, x)
+  for name in ("pre", "post"):
+    jax.tree.map(np.testing.assert_array_equal, st_params[name], hk_params[name])
+  # The stacked layers differ: vmapped init vs Haiku's sequential one.
+  assert _signature(st_params) == _signature(hk_params)
+  _assert_close(build(st.layer_stack).apply(hk_params, APPLY_KEY, x),
+                build(hk.layer_stack).apply(hk_params, APPLY_KEY, x))
 
 
 # ---------------------------------------------------------------------------
@@ -608,6 +639,15 @@ def test_per_layer_function_must_return_a_pair():
   with pytest.raises(TypeError, match=r"must return a pair \(x, y\), but it "
                      r"returned an array of shape \(3,\)"):
     jax.eval_shape(fn.init, INIT_KEY, jnp.zeros(3), jnp.ones((2, 3)))
+
+
+def test_per_layer_function_error_suggests_a_real_fix():
+  # layer_stack has no .fold: the hint must point at with_per_layer_inputs.
+  fn = hk.transform(lambda x, ys: st.layer_stack(2, with_per_layer_inputs=True)(
+      lambda x, y: x + y)(x, ys))
+  with pytest.raises(TypeError, match=r"with_per_layer_inputs") as info:
+    jax.eval_shape(fn.init, INIT_KEY, jnp.zeros(3), jnp.ones((2, 3)))
+  assert "layer_stack.fold" not in str(info.value)
 
 
 def test_per_layer_input_with_wrong_leading_axis():

@@ -39,15 +39,19 @@ ALIAS_IDS = ["False", "none", "True", "full", "nested", "offload", "save_all",
 # Helpers: inputs, the body, the reference loop.
 
 
+def _normal(seed, shape, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
 def _xs(n, seed=0):
-  kw, kb = jax.random.split(jax.random.PRNGKey(seed))
-  return {"w": 0.6 * jax.random.normal(kw, (n, D, D)),
-          "b": 0.3 * jax.random.normal(kb, (n, D))}
+  return {"w": _normal(seed, (n, D, D), 0.6),
+          "b": _normal(seed + 100, (n, D), 0.3)}
 
 
 def _init(seed=1):
-  return {"h": jax.random.normal(jax.random.PRNGKey(seed), (B, D)),
-          "c": jnp.linspace(0.1, 0.5, B)}
+  return {"h": _normal(seed, (B, D)),
+          "c": jnp.linspace(0.1, 0.5, B, dtype=jnp.float32)}
 
 
 def _fold_body(carry, x):
@@ -63,7 +67,10 @@ def _scan_body(carry, x):
 
 
 def _slice(xs, i):
-  return jax.tree_util.tree_map(lambda a: a[i], xs)
+  """Step i's slice of xs (a traced index: one kernel for every step)."""
+  i = jnp.int32(i)
+  return jax.tree_util.tree_map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
 
 
 def _ref_scan(init, xs, n, reverse, body=_scan_body):
@@ -81,39 +88,37 @@ def _ref_fold(init, xs, n, reverse):
   return carry
 
 
-def _fold_loss(fold):
-  def loss(init, xs):
-    carry = fold(init, xs)
-    return jnp.sum(carry["h"] ** 2) + jnp.sum(jnp.sin(carry["c"]))
-  return loss
+def _cotangent(tree, seed):
+  """A fixed random cotangent shaped like ``tree``, different at every step."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map(
+      lambda a: rng.standard_normal(np.shape(a)).astype(np.float32), tree)
 
 
-def _scan_loss(scan):
-  def loss(init, xs):
-    carry, (y0, y1) = scan(init, xs)
-    # Weights that differ per step, so a misordered ys changes the gradient.
-    n = y0.shape[0]
-    weights = jnp.arange(1.0, n + 1.0)
-    return (jnp.sum(carry["h"] ** 2) + jnp.sum(y0 * weights[:, None]) +
-            jnp.sum(y1 * weights[:, None] ** 2))
-  return loss
+def _values_and_grads(fold, scan, init, xs, cts):
+  """Outputs of a fold and a scan, and their gradients w.r.t. init and xs.
+
+  The gradients are those of ``vdot(output, cotangent)`` for fixed random
+  cotangents (a VJP): every carry leaf and every step's y counts, with its own
+  weight, so a misordered ``ys`` changes them.
+  """
+  carry, fold_vjp = jax.vjp(fold, init, xs)
+  out, scan_vjp = jax.vjp(scan, init, xs)
+  return carry, fold_vjp(cts[0]), out, scan_vjp(cts[1])
 
 
-def _everything(fold, scan):
-  """Values and gradients (w.r.t. init and xs) of a fold and a scan, jitted."""
-  def run(init, xs):
-    return (fold(init, xs),
-            jax.grad(_fold_loss(fold), argnums=(0, 1))(init, xs),
-            scan(init, xs),
-            jax.grad(_scan_loss(scan), argnums=(0, 1))(init, xs))
-  return jax.jit(run)
+def _cotangents(n):
+  carry = jax.eval_shape(_init)
+  ys = jax.eval_shape(lambda: _ref_scan(_init(), _xs(n), n, False)[1])
+  return _cotangent(carry, 2), _cotangent((carry, ys), 3)
 
 
 @functools.cache
 def _reference(n, reverse):
+  """The Python loop, differentiated eagerly (no jit, no lax.scan)."""
   fold = lambda init, xs: _ref_fold(init, xs, n, reverse)
   scan = lambda init, xs: _ref_scan(init, xs, n, reverse)
-  return _everything(fold, scan)(_init(), _xs(n))
+  return _values_and_grads(fold, scan, _init(), _xs(n), _cotangents(n))
 
 
 def _assert_trees_close(got, want):
@@ -129,7 +134,8 @@ def _assert_trees_close(got, want):
 def _check_against_loop(remat, n, unroll, reverse):
   fold = st.fold(_fold_body, remat=remat, unroll=unroll, reverse=reverse)
   scan = st.scan(_scan_body, remat=remat, unroll=unroll, reverse=reverse)
-  got = _everything(fold, scan)(_init(), _xs(n))
+  got = jax.jit(functools.partial(_values_and_grads, fold, scan))(
+      _init(), _xs(n), _cotangents(n))
   _assert_trees_close(got, _reference(n, reverse))
 
 

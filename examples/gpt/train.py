@@ -58,6 +58,11 @@ _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
+_STOP_AFTER = flags.DEFINE_integer(
+    "stop_after", None, "Stop after this step, evaluating and checkpointing it, "
+    "while the learning-rate schedule still spans --steps; a later --resume run "
+    "with the same --steps continues exactly where this one stopped (default: "
+    "run all --steps).", lower_bound=1)
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Peak learning rate.", lower_bound=0.0)
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.", lower_bound=0)
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0)
@@ -91,6 +96,9 @@ flags.register_multi_flags_validator(
     message="--save_names needs --remat full, nested or offload (none and save_all "
     "keep everything already).")
 flags.register_multi_flags_validator(
+    ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
+    message="--stop_after must be at most --steps.")
+flags.register_multi_flags_validator(
     ["nested_outer", "remat"], lambda f: f["nested_outer"] is None or f["remat"] == "nested",
     message="--nested_outer needs --remat=nested.")
 
@@ -110,7 +118,9 @@ def make_optimizer(steps: int) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay (to a tenth), gradients clipped."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=_LEARNING_RATE.value,
-      warmup_steps=min(_WARMUP_STEPS.value, steps), decay_steps=steps,
+      # At least one step of cosine decay: optax rejects an empty one, which
+      # a run with --steps <= --warmup_steps would otherwise ask for.
+      warmup_steps=min(_WARMUP_STEPS.value, steps - 1), decay_steps=steps,
       end_value=_LEARNING_RATE.value / 10)
   parts = []
   if _GRAD_CLIP.value > 0:
@@ -193,6 +203,7 @@ def main(argv):
       d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
       remat=policy, unroll=_UNROLL.value)
   steps = _STEPS.value
+  last_step = steps if _STOP_AFTER.value is None else _STOP_AFTER.value
   logging.info("Corpus: %d training and %d validation characters, %d symbols; "
                "unigram entropy %.3f nats.", len(dataset.train),
                len(dataset.valid), dataset.vocab_size, dataset.unigram_entropy())
@@ -252,11 +263,11 @@ def main(argv):
   write_metrics(metrics_path, records)
   window_losses, window_start = [], time.perf_counter()
   tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
-  for step in range(start_step + 1, steps + 1):
+  for step in range(start_step + 1, last_step + 1):
     params, opt_state, loss, stats = compiled_step(params, opt_state, sampler.next())
     window_losses.append(loss)
     record = None
-    if step % _LOG_EVERY.value == 0 or step == steps:
+    if step % _LOG_EVERY.value == 0 or step == last_step:
       losses = [float(l) for l in window_losses]
       elapsed = time.perf_counter() - window_start
       record = {"step": step, "train_loss": float(np.mean(losses)),
@@ -271,7 +282,7 @@ def main(argv):
           message += f"\n    {name:>13} per layer: " + " ".join(f"{v:.3f}" for v in record[name])
       logging.info(message)
       window_losses, window_start = [], time.perf_counter()
-    if step % _EVAL_EVERY.value == 0 or step == steps:
+    if step % _EVAL_EVERY.value == 0 or step == last_step:
       record = record or {"step": step}
       record["valid_loss"] = evaluate(params)
       logging.info("step %5d  validation loss %.4f", step, record["valid_loss"])
@@ -279,7 +290,7 @@ def main(argv):
     if record is not None:
       records.append(record)
       write_metrics(metrics_path, records)
-    if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == steps:
+    if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == last_step:
       save_checkpoint(step)
 
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",

@@ -1,0 +1,1 @@
+"""Benchmarks of stacktools: one script per question; see README_SECTION.md."""

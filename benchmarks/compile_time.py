@@ -1,0 +1,187 @@
+"""How does the compile time of a gradient step grow with depth?
+
+Measures trace (``jax.jit(step).lower``) and compile (``.compile()``) seconds
+of one gradient step of an L-layer stack, for ``st.Stacked`` (one scan),
+``hk.layer_stack`` (one scan) and ``st.BlockSeq`` (a Python loop: the program
+grows with L). Target: the Stacked curve is flat, its L=64 total at most 1.5x
+its L=4 total, while the unrolled one grows.
+
+Each (contender, depth) is traced and compiled ``--repeats`` times from a
+fresh ``jax.jit`` (nothing cached), alternating the contenders, and the
+fastest repeat is kept: on a shared machine the minimum is the least noisy
+estimate of the work. One untimed compile warms JAX up first.
+
+  python benchmarks/compile_time.py            # full run, ~4 min on 2 cores
+  python benchmarks/compile_time.py --quick    # seconds (the smoke test)
+  python benchmarks/compile_time.py --model gpt --remat none --depths 4,16,64
+
+Writes ``benchmarks/results/compile_time.json`` and ``compile_time.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # pylint: disable=wrong-import-position
+
+NAME = "compile_time"
+IMPLS = ("stacked", "hk_layer_stack", "blockseq")
+
+
+def measure(contender: common.Contender, x) -> dict[str, float]:
+  """Seconds to trace/lower and to compile a fresh jitted gradient step."""
+  params = contender.abstract_params(x)
+  step = contender.grad_step()
+  t0 = time.perf_counter()
+  lowered = step.lower(params, x)
+  t1 = time.perf_counter()
+  lowered.compile()
+  t2 = time.perf_counter()
+  return {"trace_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+
+
+def summarise(rows: list[dict[str, Any]], flat_at: int, flat_target: float) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for impl in IMPLS:
+    points = {r["num_layers"]: r["total_s"] for r in rows if r["impl"] == impl}
+    if not points:
+      continue
+    lo, hi = min(points), max(points)
+    entry = {"shallowest": lo, "deepest": hi,
+             "deepest_over_shallowest": points[hi] / points[lo]}
+    if flat_at in points:
+      entry[f"L{flat_at}_over_L{lo}"] = points[flat_at] / points[lo]
+    out[impl] = entry
+  stacked = {r["num_layers"]: r["total_s"] for r in rows if r["impl"] == "stacked"}
+  if stacked and flat_at in stacked:
+    ratio = stacked[flat_at] / stacked[min(stacked)]
+    out["target"] = {"what": f"st.Stacked at L={flat_at} <= {flat_target}x at "
+                             f"L={min(stacked)} (trace + compile)",
+                     "ratio": ratio, "met": ratio <= flat_target}
+  return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+  rows = payload["measurements"]
+  depths = sorted({r["num_layers"] for r in rows})
+  lines = ["| contender | " + " | ".join(f"L={d}" for d in depths) + " |",
+           "|---|" + "---:|" * len(depths)]
+  for impl in IMPLS:
+    table = {r["num_layers"]: r for r in rows if r["impl"] == impl}
+    if table:
+      cells = [f"{table[d]['total_s']:.2f} ({table[d]['trace_s']:.2f} + "
+               f"{table[d]['compile_s']:.2f})" if d in table else "" for d in depths]
+      lines.append(f"| {common.IMPL_LABELS[impl]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def draw(payload: dict[str, Any]):
+  rows = payload["measurements"]
+  cfg = payload["config"]
+
+  def fig_fn(plt):
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"stacked": ("-", "o"), "hk_layer_stack": ("--", "x"), "blockseq": ("-.", "s")}
+    for impl in IMPLS:
+      pts = sorted((r["num_layers"], r["total_s"], r["trace_s"]) for r in rows
+                   if r["impl"] == impl)
+      if not pts:
+        continue
+      depths, totals, traces = zip(*pts)
+      style, marker = styles[impl]
+      line, = ax.plot(depths, totals, linestyle=style, marker=marker,
+                      label=f"{common.IMPL_LABELS[impl]}: trace + compile")
+      ax.plot(depths, traces, linestyle=style, color=line.get_color(), alpha=0.35,
+              label=f"{common.IMPL_LABELS[impl]}: trace only")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("layers L")
+    ax.set_ylabel("seconds to trace + compile one gradient step (s)")
+    ax.set_title(f"Compile time vs depth ({cfg['model']}, remat={cfg['remat']}, "
+                 f"best of {cfg['repeats']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+  return fig_fn
+
+
+def build_parser():
+  p = common.parser(__doc__)
+  p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+  p.add_argument("--remat", choices=common.POLICIES, default="full",
+                 help="the policy every contender uses")
+  p.add_argument("--depths", type=common.int_list, default=[4, 8, 16, 32, 64],
+                 help="depths for the scanned contenders")
+  p.add_argument("--blockseq_depths", type=common.int_list, default=[4, 8, 16, 32],
+                 help="depths for st.BlockSeq (unrolled, so slow to compile)")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--flat_at", type=int, default=64,
+                 help="the depth whose Stacked time is held to --flat_target x the shallowest")
+  p.add_argument("--flat_target", type=float, default=1.5)
+  p.add_argument("--width", type=int, default=128)
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--seq_len", type=int, default=64, help="gpt only")
+  p.add_argument("--heads", type=int, default=4, help="gpt only")
+  return p
+
+
+QUICK = ["--depths", "2,4", "--blockseq_depths", "2", "--repeats", "1", "--flat_at", "4",
+         "--width", "16", "--batch", "4"]
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  args = build_parser().parse_args(argv)
+  if args.quick:
+    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
+  cfg = common.ModelConfig(args.model, width=args.width, batch=args.batch,
+                           seq_len=args.seq_len if args.model == "gpt" else 1,
+                           heads=args.heads if args.model == "gpt" else 1)
+  x = common.example_input(cfg)
+  start = time.perf_counter()
+  measure(common.build("stacked", args.remat, cfg, 2), x)  # warm-up, untimed
+  depths = sorted(set(args.depths) | set(args.blockseq_depths))
+  best: dict[tuple[str, int], dict[str, float]] = {}
+  for depth in depths:
+    impls = [i for i in IMPLS if depth in (args.blockseq_depths if i == "blockseq"
+                                            else args.depths)]
+    impls = [i for i in impls if common.supports(i, args.remat, depth)]
+    for repeat in range(args.repeats):
+      for impl in (impls if repeat % 2 == 0 else impls[::-1]):
+        times = measure(common.build(impl, args.remat, cfg, depth), x)
+        common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: trace {times['trace_s']:.2f}s"
+                   f" compile {times['compile_s']:.2f}s")
+        if (impl, depth) not in best or times["total_s"] < best[(impl, depth)]["total_s"]:
+          best[(impl, depth)] = times
+  rows = [{"impl": impl, "num_layers": depth, **times}
+          for (impl, depth), times in sorted(best.items(), key=lambda kv: (
+              IMPLS.index(kv[0][0]), kv[0][1]))]
+  payload = {
+      "question": __doc__.strip().splitlines()[0],
+      "command": common.command_line(),
+      "quick": args.quick,
+      "config": {"model": args.model, "model_config": cfg.describe(), "remat": args.remat,
+                 "depths": args.depths, "blockseq_depths": args.blockseq_depths,
+                 "repeats": args.repeats, "statistic": "fastest of the repeats",
+                 "step": "jax.jit(jax.value_and_grad(mean(stack(x)**2))).lower(...).compile()",
+                 "compiler_options": "XLA defaults"},
+      "measurements": rows,
+      "summary": summarise(rows, args.flat_at, args.flat_target),
+      "seconds": time.perf_counter() - start,
+  }
+  payload["markdown"] = markdown(payload)
+  print(payload["markdown"])
+  common.write_json(args.results_dir, NAME, payload)
+  if not args.no_plot:
+    common.save_plot(args.results_dir, NAME, draw(payload))
+  return payload
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,121 @@
+"""Sharding rules for stacked parameters: keep the Layers axis whole.
+
+A :class:`Stacked` parameter has a leading Layers axis that ``lax.scan``
+slices one layer at a time. Sharding that axis across devices would make
+every step of the scan gather a layer from other devices, so the rule here
+shards each parameter FSDP-style on its largest *other* axis that the FSDP
+mesh axis divides, and leaves the Layers axis (or axes, in nested stacks)
+whole. Parameters outside any stack follow the same rule over all their axes.
+
+The rule reads the Haiku module name of each leaf from its path, so it works
+on parameters and equally on optimizer states that hold parameter-shaped
+trees (``optax`` moments), whose paths end in the same ``[module][name]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax
+from jax.sharding import PartitionSpec
+
+PyTree = Any
+
+
+def num_layer_axes(module: str, stacked: Sequence[str]) -> int:
+  """How many leading Layers axes a module's parameters have.
+
+  Example::
+
+    num_layer_axes("model/h/block/linear", ["model/h"])   # 1
+
+  Args:
+    module: a Haiku module name, e.g. ``"model/h/block/linear"``.
+    stacked: the full names of the stacks in the model (``Stacked`` or
+      ``layer_stack`` modules); a nested stack is listed too.
+
+  Returns:
+    The number of names in ``stacked`` that ``module`` lies under.
+  """
+  return sum(module == s or module.startswith(s + "/") for s in stacked)
+
+
+def fsdp_spec(shape: Sequence[int], layer_axes: int, fsdp_size: int,
+              fsdp_axis: str = "fsdp") -> PartitionSpec:
+  """The PartitionSpec of one array: the largest non-Layers axis that divides.
+
+  Example::
+
+    fsdp_spec((12, 128, 512), layer_axes=1, fsdp_size=4)
+    # PartitionSpec(None, None, 'fsdp')
+
+  Args:
+    shape: the array's shape.
+    layer_axes: how many leading axes are Layers axes (never sharded).
+    fsdp_size: the size of the FSDP mesh axis.
+    fsdp_axis: its name.
+
+  Returns:
+    A spec that shards one axis over ``fsdp_axis``, or replicates the array
+    when no axis is divisible (or ``fsdp_size`` is 1).
+  """
+  if fsdp_size <= 1:
+    return PartitionSpec()
+  candidates = [(size, axis) for axis, size in enumerate(shape)
+                if axis >= layer_axes and size % fsdp_size == 0]
+  if not candidates:
+    return PartitionSpec()
+  # Largest axis first; among equals, the last (the output features of a
+  # weight), so a matmul's contraction axis stays local where it can.
+  _, axis = max(candidates)
+  spec = [None] * len(shape)
+  spec[axis] = fsdp_axis
+  return PartitionSpec(*spec)
+
+
+def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = None, *,
+                            stacked: Sequence[str] = (), fsdp_axis: str = "fsdp",
+                            fsdp_size: Optional[int] = None) -> PyTree:
+  """PartitionSpecs for Haiku parameters (or optimizer state) with stacks.
+
+  Example::
+
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+    specs = st.stacked_partition_specs(params, mesh, stacked=["model/h"])
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    params = jax.device_put(params, shardings)
+
+  Args:
+    tree: Haiku params ``{module: {name: array}}``, or any pytree whose array
+      leaves sit under ``[module][name]`` keys (optax states); other leaves
+      (step counts) are replicated.
+    mesh: the device mesh; its ``fsdp_axis`` size is the shard count (an
+      absent axis means no sharding). Or pass ``fsdp_size`` instead.
+    stacked: the full module names of the stacks in the model.
+    fsdp_axis: the mesh axis that parameters are sharded over.
+    fsdp_size: the shard count, when no mesh is given.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``tree``.
+  """
+  if isinstance(stacked, str):
+    stacked = (stacked,)
+  if fsdp_size is None:
+    if mesh is None:
+      raise ValueError("stacked_partition_specs needs a mesh or fsdp_size=.")
+    fsdp_size = dict(mesh.shape).get(fsdp_axis, 1)
+
+  def spec(path, leaf):
+    shape = getattr(leaf, "shape", ())
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    module = keys[-2] if len(keys) >= 2 else ""
+    layer_axes = num_layer_axes(str(module), stacked)
+    if layer_axes > len(shape):
+      raise ValueError(
+          f"{module}/{keys[-1]} has shape {tuple(shape)}, which has fewer than the "
+          f"{layer_axes} Layers axes its stacks {list(stacked)} imply; check "
+          "stacked=.")
+    return fsdp_spec(shape, layer_axes, fsdp_size, fsdp_axis)
+
+  return jax.tree_util.tree_map_with_path(spec, tree)

@@ -1,0 +1,442 @@
+"""Tests for the GPT example (examples/gpt): training, resume, decoding, CLI.
+
+Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
+batched into two driver subprocesses started once per module (each calls
+:func:`drive` of this file). One interpreter then pays the JAX import for
+many runs, the two drivers use both cores, and the drivers compile
+with XLA's cheap LLVM settings (``FAST_XLA``, which changes how fast the code
+is compiled, not what it computes) without touching the pytest process. The
+drivers also report whether ``import stacktools`` and the runs imported
+TensorFlow.
+
+What is checked, against numbers rather than "it runs":
+
+* every ``--remat`` x ``--block`` trains, its loss falls, and it matches
+  ``--remat=none`` (a policy changes memory, not math); scan blocks log
+  per-layer stats of length ``num_layers``;
+* ``--stack=scan`` (Stacked) and ``--stack=unrolled`` (BlockSeq) give the same
+  losses from the same seed;
+* ``--save_names`` keeps more than plain ``--remat=full`` (compiled temp
+  memory, from the log) and puts its names in the policy;
+* 10 steps + ``--resume`` 10 steps is bitwise equal to 20 steps;
+* KV-cache decoding equals the full forward pass (in this process);
+* bad flags, missing or corrupt checkpoints: a one-line message, a non-zero
+  exit, no traceback, nothing written (CLI subprocesses, started together);
+* ``sample.py`` end to end.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples.gpt import model as model_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
+SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+REMATS = ("none", "full", "nested", "offload", "save_all")
+BLOCKS = ("fold", "scan")
+NUM_LAYERS = 2
+STEPS = 20
+# A tiny model; one record per step; evaluation only at the last step.
+TINY = dict(num_layers=NUM_LAYERS, d_model=16, num_heads=2, seq_len=16,
+            batch_size=4, steps=STEPS, learning_rate=1e-2, warmup_steps=1,
+            log_every=1, eval_every=1000, eval_batches=1, sample_tokens=0)
+WORKDIR_FILES = {"checkpoint.npz", "metrics.jsonl"}  # and loss.png, with matplotlib
+SENTENCES = (
+    "the cat sat on the mat.", "a dog ran to the red ball.",
+    "we like to read a good book at night.", "she sang a song in the garden.",
+    "it is a fine day for a walk by the river.", "he drank a cup of hot tea.",
+)
+
+
+def _run_name(remat: str, block: str) -> str:
+  return f"{remat}-{block}"
+
+
+def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
+  """The training runs, split over two drivers; resume runs share a driver."""
+
+  def spec(name, **flags):
+    return {"name": name, "flags": {**TINY, "data_path": data_path,
+                                    "workdir": os.path.join(tmp, name), **flags}}
+
+  fold = [spec(_run_name(r, "fold"), remat=r, block="fold") for r in REMATS]
+  fold.append(spec("unrolled", remat="full", block="fold", stack="unrolled",
+                   sample_tokens=8, sample_prompt="the "))
+  fold.append(spec("save_names", remat="full", block="fold",
+                   save_names=["attn_out", "mlp_hidden"]))
+  scan = [spec(_run_name(r, "scan"), remat=r, block="scan") for r in REMATS]
+  # Run A of the resume test is "full-scan": 20 steps straight.
+  scan.append(spec("resume", remat="full", block="scan", stop_after=10))
+  scan.append(spec("resume", remat="full", block="scan", resume=True))
+  return [fold, scan]
+
+
+def drive(spec_path: str, out_path: str, tf_after_import: bool) -> None:
+  """Runs ``train.main`` once per spec in this process; writes errors and logs.
+
+  Called in a fresh interpreter, which imported stacktools first and says
+  whether that imported TensorFlow.
+  """
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  flags.FLAGS(["train"])
+  logging.set_verbosity(logging.INFO)
+  lines = []
+  handler = py_logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  py_logging.getLogger("absl").addHandler(handler)
+  with open(spec_path, encoding="utf-8") as f:
+    specs = json.load(f)
+  results = []
+  for spec in specs:
+    del lines[:]
+    error = None
+    try:
+      with flagsaver.flagsaver(**spec["flags"]):
+        train.main(["train"])
+    except BaseException:  # pylint: disable=broad-except
+      error = traceback.format_exc()
+    results.append({"name": spec["name"], "error": error, "log": "\n".join(lines)})
+  out = {"runs": results, "tf_after_import": tf_after_import,
+         "tf_after_runs": "tensorflow" in sys.modules}
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump(out, f)
+
+
+class Drivers:
+  """The driver subprocesses, started at once; ``result`` waits for them."""
+
+  def __init__(self, tmp: str, data_path: str):
+    self.tmp = tmp
+    self.data_path = data_path
+    env = {**os.environ, "XLA_FLAGS": FAST_XLA}
+    self.procs = []
+    for i, specs in enumerate(_driver_specs(tmp, data_path)):
+      spec_path = os.path.join(tmp, f"driver{i}.json")
+      out_path = os.path.join(tmp, f"driver{i}.out.json")
+      with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(specs, f)
+      code = ("import sys; import stacktools; tf = 'tensorflow' in sys.modules; "
+              "sys.path[:0] = sys.argv[1:3]; import gpt_test; "
+              "gpt_test.drive(sys.argv[3], sys.argv[4], tf)")
+      proc = subprocess.Popen(
+          [sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
+           spec_path, out_path],
+          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      self.procs.append((proc, out_path))
+    self._result = None
+
+  def result(self) -> dict:
+    """``{"runs": {name: [errors and logs, in order]}, "tf_*": bool}``."""
+    if self._result is None:
+      runs, tf = {}, []
+      for proc, out_path in self.procs:
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"driver failed:\n{output[-5000:]}"
+        with open(out_path, encoding="utf-8") as f:
+          out = json.load(f)
+        for run in out["runs"]:
+          runs.setdefault(run["name"], []).append(run)
+        tf.append((out["tf_after_import"], out["tf_after_runs"]))
+      self._result = {"runs": runs, "tf": tf}
+    return self._result
+
+  def run(self, name: str, index: int = -1) -> dict:
+    """The named run's log, after checking that it raised nothing."""
+    run = self.result()["runs"][name][index]
+    assert run["error"] is None, f"run {name} failed:\n{run['error']}"
+    return run
+
+  def workdir(self, name: str) -> str:
+    return os.path.join(self.tmp, name)
+
+  def close(self) -> None:
+    for proc, _ in self.procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def write_corpus(path: str, repeats: int = 120) -> str:
+  """A few KB of simple English, deterministic."""
+  lines = [" ".join(SENTENCES[(i * k) % len(SENTENCES)] for k in (1, 2, 5))
+           for i in range(repeats)]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def load_checkpoint(workdir: str) -> dict[str, np.ndarray]:
+  with np.load(os.path.join(workdir, "checkpoint.npz"), allow_pickle=False) as data:
+    return {k: data[k] for k in data.files}
+
+
+def train_losses(workdir: str) -> np.ndarray:
+  return np.array([r["train_loss"] for r in read_metrics(workdir)])
+
+
+def compiled_temp_mib(log: str) -> float:
+  marker = "compiled temp memory "
+  assert marker in log, log
+  return float(log.split(marker, 1)[1].split(" MiB", 1)[0])
+
+
+def cli(script: str, *args: str) -> subprocess.Popen:
+  """Starts ``python script args``; collect it with :func:`finish`."""
+  return subprocess.Popen([sys.executable, script, *args], cwd=REPO,
+                          env={**os.environ, "XLA_FLAGS": FAST_XLA},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+  stdout, stderr = proc.communicate(timeout=300)
+  return proc.returncode, stdout, stderr
+
+
+def as_args(flags: dict) -> list[str]:
+  return [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in flags.items()]
+
+
+def listing(path: str) -> set[str]:
+  return set(os.listdir(path)) if os.path.exists(path) else set()
+
+
+def assert_only_outputs(workdir: str) -> None:
+  """The run's outputs and no temporary or partial files."""
+  assert listing(workdir) - {"loss.png"} == WORKDIR_FILES, listing(workdir)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+  return write_corpus(str(tmp_path_factory.mktemp("data") / "text.txt"))
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory, corpus):
+  d = Drivers(str(tmp_path_factory.mktemp("runs")), corpus)
+  yield d
+  d.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_drivers_early(request):
+  """Starts the training drivers before the first test, so the CLI tests run
+  while they train (only when some selected test needs them)."""
+  if any("drivers" in item.fixturenames for item in request.session.items
+         if item.module is request.module):
+    request.getfixturevalue("drivers")
+
+
+# ---------------------------------------------------------------------------
+# CLI errors: every case starts at once, then all are collected.
+
+
+def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corpus):
+  short = tmp_path / "short.txt"
+  short.write_text("the cat sat on the mat.\n" * 4)
+  base = {**TINY, "data_path": corpus}
+  garbage = tmp_path / "garbage"
+  garbage.mkdir()
+  (garbage / "checkpoint.npz").write_bytes(b"this is not a checkpoint\x00\xff" * 40)
+  truncated = tmp_path / "truncated"
+  truncated.mkdir()
+  # A zip's local header and nothing else: a run killed mid-write, unrenamed.
+  (truncated / "checkpoint.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 60)
+
+  # (name, script, flags, fragments the message must contain)
+  cases = [
+      ("remat", TRAIN, {"remat": "bogus"},
+       ["--remat", *REMATS]),
+      ("block", TRAIN, {"block": "bogus"}, ["--block", "fold", "scan"]),
+      ("stack", TRAIN, {"stack": "bogus"}, ["--stack", "scan", "unrolled"]),
+      ("heads", TRAIN, {"d_model": 15, "num_heads": 2},
+       ["--d_model", "divisible", "--num_heads"]),
+      ("layers", TRAIN, {"num_layers": 0}, ["--num_layers", "positive"]),
+      ("batch", TRAIN, {"batch_size": 0}, ["--batch_size", "positive"]),
+      ("no_data", TRAIN, {"data_path": str(tmp_path / "missing.txt")},
+       ["--data_path", "missing.txt", "does not exist"]),
+      ("short_data", TRAIN, {"data_path": str(short)},
+       ["--data_path", "fewer than one batch"]),
+      ("save_names", TRAIN, {"save_names": "attn_out,bogus"},
+       ["--save_names", "attn_probs, attn_out, mlp_hidden, mlp_out"]),
+      ("save_names_none", TRAIN, {"save_names": "attn_out", "remat": "none"},
+       ["--save_names", "--remat"]),
+      ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
+      ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
+      ("garbage", TRAIN, {"resume": True, "workdir": str(garbage)},
+       ["error: --resume:", "not a readable checkpoint"]),
+      ("truncated", TRAIN, {"resume": True, "workdir": str(truncated)},
+       ["error: --resume:", "not a readable checkpoint"]),
+      ("sample_no_ckpt", SAMPLE, {}, ["error: No checkpoint"]),
+      ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
+       ["error:", "not a readable checkpoint"]),
+  ]
+  procs, before = [], {}
+  for name, script, flags, _ in cases:
+    workdir = str(tmp_path / "work" / name)
+    flags = {"workdir": workdir, **flags}
+    args = as_args({**base, **flags}) if script == TRAIN else as_args(flags)
+    before[name] = listing(flags["workdir"])
+    procs.append(cli(script, *args))
+  for (name, script, flags, fragments), proc in zip(cases, procs):
+    rc, _, stderr = finish(proc)
+    assert rc != 0, name
+    assert "Traceback" not in stderr, f"{name}:\n{stderr}"
+    message = stderr.strip().splitlines()
+    # absl's parse errors add a hint line; the message itself is one line.
+    message = [l for l in message if not l.startswith("Pass --helpshort")]
+    assert len(message) == 1, f"{name}:\n{stderr}"
+    for fragment in fragments:
+      assert fragment in message[0], f"{name}: {fragment!r} not in {message[0]!r}"
+    workdir = flags.get("workdir", str(tmp_path / "work" / name))
+    assert listing(workdir) == before[name], f"{name} wrote to its workdir"
+  assert not (tmp_path / "work").exists()
+  assert (garbage / "checkpoint.npz").read_bytes().startswith(b"this is not")
+
+
+# ---------------------------------------------------------------------------
+# Training runs (in the drivers).
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("remat", REMATS)
+def test_every_remat_and_block_trains(drivers, remat, block):
+  name = _run_name(remat, block)
+  drivers.run(name)
+  workdir = drivers.workdir(name)
+  records = read_metrics(workdir)
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  losses = np.array([r["train_loss"] for r in records])
+  assert np.all(np.isfinite(losses))
+  assert losses[-3:].mean() < losses[:3].mean() - 0.3, losses
+  vocab_size = len(json.loads(str(load_checkpoint(workdir)["__meta__"]))["chars"])
+  assert records[-1]["valid_loss"] < math.log(vocab_size), records[-1]
+  # A policy changes what is kept, not the numbers.
+  np.testing.assert_allclose(losses, train_losses(drivers.workdir(_run_name("none", block))),
+                             rtol=1e-4)
+  for r in records:
+    if block == "scan":
+      for stat in ("attn_entropy", "update_ratio"):
+        assert len(r[stat]) == NUM_LAYERS and all(map(math.isfinite, r[stat])), r
+    else:
+      assert "attn_entropy" not in r and "update_ratio" not in r
+  assert_only_outputs(workdir)
+
+
+def test_stacked_and_blockseq_give_the_same_losses(drivers):
+  log = drivers.run("unrolled")["log"]
+  assert "stack='unrolled'" in log
+  stacked = read_metrics(drivers.workdir(_run_name("full", "fold")))
+  unrolled = read_metrics(drivers.workdir("unrolled"))
+  np.testing.assert_allclose([r["train_loss"] for r in unrolled],
+                             [r["train_loss"] for r in stacked], rtol=1e-4)
+  np.testing.assert_allclose(unrolled[-1]["valid_loss"], stacked[-1]["valid_loss"], rtol=1e-4)
+  # train.py's own sampling decodes through BlockSeq with a KV cache.
+  assert "Sample (KV-cache decoding" in log
+  assert_only_outputs(drivers.workdir("unrolled"))
+
+
+def test_save_names_keeps_more_than_full(drivers):
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  policy = train.checkpoint_policy("full", ["attn_out", "mlp_hidden"], None)
+  assert policy.save_block_internals == ("attn_out", "mlp_hidden")
+  assert train.checkpoint_policy("full", [], None).save_block_internals is False
+  full = compiled_temp_mib(drivers.run(_run_name("full", "fold"))["log"])
+  saved = compiled_temp_mib(drivers.run("save_names")["log"])
+  assert saved > full, (saved, full)
+  losses = train_losses(drivers.workdir("save_names"))
+  np.testing.assert_allclose(losses, train_losses(drivers.workdir(_run_name("full", "fold"))),
+                             rtol=1e-4)
+
+
+def test_resume_is_bitwise_identical(drivers):
+  first = drivers.run("resume", 0)
+  second = drivers.run("resume", 1)
+  assert "Resumed from step 10." in second["log"]
+  straight = load_checkpoint(drivers.workdir(_run_name("full", "scan")))
+  resumed = load_checkpoint(drivers.workdir("resume"))
+  assert sorted(straight) == sorted(resumed)
+  assert any(k.startswith("params") for k in straight)
+  assert any(k.startswith("opt_state") for k in straight)
+  for key in straight:
+    assert straight[key].dtype == resumed[key].dtype, key
+    assert np.array_equal(straight[key], resumed[key]), key
+  # The same batches and losses, step by step (metrics kept across the resume).
+  np.testing.assert_array_equal(train_losses(drivers.workdir("resume")),
+                                train_losses(drivers.workdir(_run_name("full", "scan"))))
+  assert "Resumed" not in first["log"]
+  assert_only_outputs(drivers.workdir("resume"))
+
+
+def test_training_never_imports_tensorflow(drivers):
+  for tf_after_import, tf_after_runs in drivers.result()["tf"]:
+    assert not tf_after_import  # import stacktools, in a fresh interpreter
+    assert not tf_after_runs    # ... then the example's training and sampling
+
+
+def test_sample_cli_end_to_end(drivers):
+  workdir = drivers.workdir(_run_name("nested", "scan"))
+  drivers.run(_run_name("nested", "scan"))
+  rc, stdout, stderr = finish(cli(SAMPLE, f"--workdir={workdir}", "--prompt=the ",
+                                  "--num_tokens=20"))
+  assert rc == 0, stderr
+  assert stdout.endswith("\n")
+  text = stdout[:-1]
+  assert text.startswith("the ") and len(text) == len("the ") + 20, repr(text)
+  chars = json.loads(str(load_checkpoint(workdir)["__meta__"]))["chars"]
+  assert set(text) <= set(chars)
+  assert_only_outputs(workdir)
+
+
+# ---------------------------------------------------------------------------
+# KV-cache decoding (in this process).
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("stack", ("scan", "unrolled"))
+def test_kv_cache_decode_matches_forward(stack, block):
+  cfg = model_lib.GPTConfig(vocab_size=11, seq_len=16, num_layers=NUM_LAYERS,
+                            num_heads=2, d_model=16, block=block, stack=stack)
+  batch, length, prompt = 2, 12, 5
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, cfg.vocab_size)
+  forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
+  decode = hk.without_apply_rng(hk.transform(
+      lambda t, c, p: model_lib.decode(cfg, t, c, p)))
+  params = forward.init(jax.random.PRNGKey(0), tokens)
+  # Layer weights differ from each other (each layer has its own init key).
+  expected, _ = jax.jit(forward.apply)(params, tokens)
+
+  step = jax.jit(decode.apply)
+  cache = model_lib.init_cache(cfg, batch)
+  logits, cache = step(params, tokens[:, :prompt], cache, jnp.int32(0))
+  pieces = [logits]
+  for pos in range(prompt, length):
+    logits, cache = step(params, tokens[:, pos:pos + 1], cache, jnp.int32(pos))
+    pieces.append(logits)
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), expected, atol=1e-5, rtol=1e-5)
+  # The cache holds each layer's keys at the positions decoded, zeros after.
+  assert cache["k"].shape == (NUM_LAYERS, batch, cfg.seq_len, 2, 8)
+  assert not np.any(np.asarray(cache["k"])[:, :, length:])
+  assert np.all(np.any(np.asarray(cache["k"])[:, :, :length] != 0, axis=(-1, -2)))
+
