@@ -304,9 +304,9 @@ def build_parser():
 
 
 QUICK = ["--models", "gpt", "--depths", "2,4", "--policies", "none,full",
-         "--alt_depths", "4", "--alt_policies", "full", "--blockseq_depths", "2",
+         "--alt_depths", "2", "--alt_policies", "full", "--blockseq_depths", "2",
          "--blockseq_policies", "full", "--gpt_width", "16", "--gpt_batch", "2",
-         "--gpt_seq_len", "8", "--gpt_heads", "2"]
+         "--gpt_seq_len", "8", "--gpt_heads", "2", "--exact_compile"]
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

@@ -105,15 +105,26 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
           f"stack_params: {prefix}/layer_<i>{rest} is missing for layers "
           f"{missing} of 0..{num_layers - 1}; every layer needs the same modules.")
     names = set(by_index[0])
-    for i, bundle in by_index.items():
+    for i, bundle in sorted(by_index.items()):
       if set(bundle) != names:
         raise ValueError(
             f"stack_params: {prefix}/layer_{i}{rest} holds {sorted(bundle)} but "
             f"layer_0 holds {sorted(names)}; every layer needs the same names.")
+      for name in names:
+        got, want = _signature(bundle[name]), _signature(by_index[0][name])
+        if got != want:
+          raise ValueError(
+              f"stack_params: {prefix}/layer_{i}{rest}/{name} is {got[1]}"
+              f"{list(got[0])} but layer_0's is {want[1]}{list(want[0])}; "
+              "layers can only be stacked when their shapes and dtypes agree.")
     out[prefix + rest] = {
         name: _stack([by_index[i][name] for i in range(num_layers)])
         for name in sorted(names)}
   return out
+
+
+def _signature(value) -> tuple[tuple[int, ...], Any]:
+  return tuple(jnp.shape(value)), jnp.result_type(value)
 
 
 def _stack(values):

@@ -183,6 +183,11 @@ def split_block_output(out: Any, x: Any, kind: str, owner: str) -> tuple[Any, An
           "outputs.")
     return out, None
   if not isinstance(out, (tuple, list)) or len(out) != 2:
+    if owner == "layer_stack":
+      raise TypeError(
+          "layer_stack(with_per_layer_inputs=True): the function must return a "
+          f"pair (x, z), but it returned {_describe(out)}. For a function that "
+          "returns only x, use with_per_layer_inputs=False.")
     raise TypeError(
         f"{owner}.scan: a scan block must return a pair (x, y), but it "
         f"returned {_describe(out)}. A block that returns only x is a fold "

@@ -486,7 +486,9 @@ def test_per_layer_keys_distinct_and_same_as_hk():
   def f(x):
     return x, jax.random.normal(hk.next_rng_key(), (3,))
 
-  build = lambda ls: lambda x: ls(n, with_per_layer_inputs=True)(f)(x)  # pylint: disable=unnecessary-lambda-assignment
+  def build(ls):
+    return lambda x: ls(n, with_per_layer_inputs=True)(f)(x)
+
   _, _, _, ((_, zs), _) = _assert_like_hk(build, _x(), rng=APPLY_KEY)
   assert zs.shape == (n, 3)
   assert len({tuple(np.asarray(row).tolist()) for row in zs}) == n
@@ -636,7 +638,7 @@ def test_bad_remat_and_unroll():
 def test_per_layer_function_must_return_a_pair():
   fn = hk.transform(lambda x, ys: st.layer_stack(2, with_per_layer_inputs=True)(
       lambda x, y: x + y)(x, ys))
-  with pytest.raises(TypeError, match=r"must return a pair \(x, y\), but it "
+  with pytest.raises(TypeError, match=r"must return a pair \(x, z\), but it "
                      r"returned an array of shape \(3,\)"):
     jax.eval_shape(fn.init, INIT_KEY, jnp.zeros(3), jnp.ones((2, 3)))
 

@@ -68,8 +68,9 @@ def _model(cls, n=N):
 
 def _nested(outer_cls, inner_cls, outer_n=2, inner_n=3):
   def fn(x):
-    inner = lambda: lambda x: inner_cls(lambda: hk.Linear(D), inner_n, name="inner").fold(x)  # pylint: disable=g-long-lambda
-    return outer_cls(inner, outer_n, name="outer").fold(x)
+    def inner(x):
+      return inner_cls(lambda: hk.Linear(D), inner_n, name="inner").fold(x)
+    return outer_cls(lambda: inner, outer_n, name="outer").fold(x)
   return hk.transform(fn)
 
 
@@ -141,7 +142,8 @@ def test_params_and_state_match_blockseq_layout():
   x = jax.ShapeDtypeStruct((2, D), jnp.float32)
   stacked_params, stacked_state = _shapes(_model(st.Stacked), x)
   seq_params, seq_state = _shapes(_model(st.BlockSeq), x)
-  zeros = lambda t: jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), t)  # pylint: disable=unnecessary-lambda-assignment
+  def zeros(tree):
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), tree)
   assert "h/block/linear" in stacked_params
   assert "h/layer_0/block/linear" in seq_params
   assert _signature(st.unstack_params(zeros(stacked_params), "h")) == _signature(seq_params)
@@ -153,7 +155,8 @@ def test_params_and_state_match_blockseq_layout():
 
 def test_nested_layouts():
   x = jax.ShapeDtypeStruct((2, D), jnp.float32)
-  stacked = jax.tree.map(lambda s: np.random.default_rng(0).standard_normal(s.shape).astype(s.dtype),
+  rng = np.random.default_rng(0)
+  stacked = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype),
                          _shapes(_nested(st.Stacked, st.Stacked), x))
   assert _signature(stacked) == {"outer/inner/linear": {
       "w": ((2, 3, D, D), "float32"), "b": ((2, 3, D), "float32")}}

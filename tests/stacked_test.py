@@ -82,6 +82,10 @@ def _loss(tree):
   return sum(jnp.sum(jnp.sin(3.0 * leaf)) for leaf in jax.tree.leaves(tree))
 
 
+def _no_rng(apply):
+  return lambda params, *args: apply(params, None, *args)
+
+
 def _out_and_grads(f, *args):
   """``(f(*args), grads of _loss(f(*args)) w.r.t. every argument)``."""
   def loss(*a):
@@ -158,13 +162,13 @@ def test_stacked_matches_loop_and_blockseq(kind, reverse, unroll):
   params = _random_like(shapes)
 
   out, grads = jax.jit(functools.partial(
-      _out_and_grads, lambda p, *a: stacked.apply(p, None, *a)))(params, *args)
+      _out_and_grads, _no_rng(stacked.apply)))(params, *args)
   expected = _out_and_grads(
       functools.partial(_loop, kind=kind, reverse=reverse), params, *args)
   _assert_close((out, grads), expected, rtol=1e-4, atol=1e-5)
 
   seq_out, seq_grads = jax.jit(functools.partial(
-      _out_and_grads, lambda p, *a: seq.apply(p, None, *a)))(
+      _out_and_grads, _no_rng(seq.apply)))(
           st.unstack_params(params, "h"), *args)
   seq_grads = (st.stack_params(seq_grads[0], "h"),) + seq_grads[1:]
   _assert_close((seq_out, seq_grads), (out, grads), rtol=1e-4, atol=1e-5)
@@ -221,7 +225,7 @@ def _remat_outputs(remat):
 
   @jax.jit
   def run(params, x):
-    return {name: _out_and_grads(lambda p, x: t.apply(p, None, x), params[name], x)  # pylint: disable=cell-var-from-loop
+    return {name: _out_and_grads(_no_rng(t.apply), params[name], x)
             for name, t in fns.items()}
 
   return jax.device_get(run(params, _x()))
@@ -261,9 +265,8 @@ class RandomBlock(hk.Module):
     return x * mask, (mask, jax.random.normal(hk.next_rng_key(), (3,)))
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_per_layer_rng_distinct_and_blockseq_reproduces_it(reverse):
-  x = jnp.ones((2, 64))
+def test_per_layer_rng_distinct_and_blockseq_reproduces_it():
+  x, reverse = jnp.ones((2, 64)), True
 
   def fn(cls, remat=False):
     return hk.transform(lambda x: cls(RandomBlock, N, reverse=reverse,
@@ -535,10 +538,11 @@ def test_fold_and_scan_share_parameters():
 
 
 def test_nested_stacked_shapes():
+  def inner(x):
+    return st.Stacked(lambda: hk.Linear(100), 10, name="inner").fold(x)
+
   def fn(x):
-    inner = lambda: lambda x: st.Stacked(  # pylint: disable=g-long-lambda
-        lambda: hk.Linear(100), 10, name="inner").fold(x)
-    return st.Stacked(inner, 20, name="outer").fold(x)
+    return st.Stacked(lambda: inner, 20, name="outer").fold(x)
 
   shapes = _in_transform(fn, jax.ShapeDtypeStruct((10, 100), jnp.float32))
   assert _signature(shapes) == {"outer/inner/linear": {
@@ -553,8 +557,9 @@ def test_nested_stacks_match_double_loop(outer_cls):
     return x + jnp.tanh(hk.Linear(D)(x))
 
   def fn(x):
-    inner = lambda: lambda x: st.Stacked(lambda: block, inner_n, name="inner").fold(x)  # pylint: disable=g-long-lambda
-    return outer_cls(inner, outer_n, name="outer").fold(x)
+    def inner(x):
+      return st.Stacked(lambda: block, inner_n, name="inner").fold(x)
+    return outer_cls(lambda: inner, outer_n, name="outer").fold(x)
 
   t = hk.transform(fn)
   params = _random_like(jax.eval_shape(t.init, KEY, _x()))
@@ -588,7 +593,8 @@ def test_memory_none_gt_full_gt_nested():
   def temp_bytes(remat):
     t = hk.transform(lambda x: st.Stacked(MLPBlock, n, remat=remat, name="h").fold(x))
     params = jax.eval_shape(t.init, KEY, x)
-    loss = lambda p, x: jnp.sum(t.apply(p, None, x) ** 2)  # pylint: disable=unnecessary-lambda-assignment
+    def loss(p, x):
+      return jnp.sum(t.apply(p, None, x) ** 2)
     compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -640,10 +646,11 @@ def test_per_layer_with_wrong_leading_axis(cls):
     (True, TypeError, r"num_layers must be an int >= 1, got True"),
 ])
 def test_bad_num_layers(cls, num_layers, error, match):
-  if cls == "layer_stack":
-    make = lambda: st.layer_stack(num_layers)  # pylint: disable=unnecessary-lambda-assignment
-  else:
-    make = lambda: cls(lambda: Block(), num_layers)  # pylint: disable=unnecessary-lambda-assignment
+  def make():
+    if cls == "layer_stack":
+      return st.layer_stack(num_layers)
+    return cls(lambda: Block(), num_layers)
+
   with pytest.raises(error, match=match):
     _in_transform(make)
 

@@ -1,3 +1,4 @@
 #!/bin/sh
-echo "coverage is not available offline" >&2
+echo "bazel coverage is not available offline (tools/bazel/repos/README);" \
+  "run: python -m pytest --cov=stacktools tests (needs pytest-cov)" >&2
 exit 1

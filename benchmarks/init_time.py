@@ -1,0 +1,167 @@
+"""How long does initialising a deep stack take: vmapped init vs scanned init?
+
+``st.Stacked`` initialises all L layers with one ``jax.vmap`` of the block's
+init, every layer from its own key; ``hk.layer_stack`` initialises them in a
+``jax.lax.scan``, one layer per iteration (it also runs each layer forward to
+make the next layer's input, which XLA removes as dead code when, as here, no
+parameter depends on the input's values). This script measures, for each
+depth, the seconds of ``jax.jit(model.init)``: trace (``.lower``), compile,
+and run (until the parameters are ready), alternating the two contenders for
+``--repeats`` repeats and keeping each one's fastest (least noisy on a shared
+machine). One untimed init warms JAX up first.
+
+  python benchmarks/init_time.py               # full run, ~2 min on 2 cores
+  python benchmarks/init_time.py --quick       # seconds (the smoke test)
+  python benchmarks/init_time.py --depths 16,256 --width 256 --seq_len 256
+
+Writes ``benchmarks/results/init_time.json`` and ``init_time.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # pylint: disable=wrong-import-position
+
+from benchmarks import common  # pylint: disable=wrong-import-position
+
+NAME = "init_time"
+IMPLS = ("stacked", "hk_layer_stack")
+PHASES = ("trace_s", "compile_s", "run_s")
+
+
+def measure(contender: common.Contender, x: jax.Array) -> dict[str, float]:
+  """Seconds to trace, compile and run a fresh ``jax.jit(init)``."""
+  key = jax.random.PRNGKey(0)
+  t0 = time.perf_counter()
+  lowered = jax.jit(contender.init).lower(key, x)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  common.block(compiled(key, x))
+  t3 = time.perf_counter()
+  return {"trace_s": t1 - t0, "compile_s": t2 - t1, "run_s": t3 - t2, "total_s": t3 - t0}
+
+
+def markdown(payload: dict[str, Any]) -> str:
+  rows = payload["measurements"]
+  depths = sorted({r["num_layers"] for r in rows})
+  table = {(r["impl"], r["num_layers"]): r for r in rows}
+  lines = ["| L | st.Stacked: total (trace + compile + run) s | "
+           "hk.layer_stack: total (trace + compile + run) s | hk.layer_stack / Stacked |",
+           "|---:|---:|---:|---:|"]
+  for d in depths:
+    cells = []
+    for impl in IMPLS:
+      r = table.get((impl, d))
+      cells.append(f"{r['total_s']:.2f} ({r['trace_s']:.2f} + {r['compile_s']:.2f} + "
+                   f"{r['run_s']:.2f})" if r else "")
+    ratio = payload["summary"]["hk_over_stacked"].get(str(d))
+    lines.append(f"| {d} | " + " | ".join(cells) + (f" | {ratio:.2f} |" if ratio else " | |"))
+  return "\n".join(lines)
+
+
+def draw(payload: dict[str, Any]):
+  rows = payload["measurements"]
+  cfg = payload["config"]
+
+  def fig_fn(plt):
+    fig, (ax_total, ax_run) = plt.subplots(1, 2, figsize=(13, 4.8))
+    styles = {"stacked": ("-", "o"), "hk_layer_stack": ("--", "x")}
+    labels = {"stacked": "st.Stacked (vmapped init)",
+              "hk_layer_stack": "hk.layer_stack (scanned init + forward)"}
+    for impl in IMPLS:
+      pts = sorted((r["num_layers"], r["total_s"], r["run_s"], r["trace_s"] + r["compile_s"])
+                   for r in rows if r["impl"] == impl)
+      if not pts:
+        continue
+      depths, total, run, tc = zip(*pts)
+      style, marker = styles[impl]
+      ax_total.plot(depths, total, linestyle=style, marker=marker, label=labels[impl])
+      ax_run.plot(depths, run, linestyle=style, marker=marker, label=f"{labels[impl]}: run")
+      ax_run.plot(depths, tc, linestyle=style, marker=marker, alpha=0.4,
+                  label=f"{labels[impl]}: trace + compile")
+    ax_total.set_title(f"init = trace + compile + run ({cfg['model']}, best of "
+                       f"{cfg['repeats']})")
+    ax_run.set_title("the same, split into its phases")
+    for ax in (ax_total, ax_run):
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("layers L")
+      ax.set_ylabel("seconds (s)")
+      ax.grid(True, which="both", alpha=0.3)
+      ax.legend(fontsize=8)
+    return fig
+
+  return fig_fn
+
+
+def build_parser():
+  p = common.parser(__doc__)
+  p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
+  p.add_argument("--depths", type=common.int_list, default=[4, 16, 64, 256])
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--width", type=int, default=64)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq_len", type=int, default=128, help="gpt only")
+  p.add_argument("--heads", type=int, default=4, help="gpt only")
+  return p
+
+
+QUICK = ["--depths", "2", "--repeats", "1", "--width", "16", "--batch", "2",
+         "--seq_len", "8", "--heads", "2"]
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  args = build_parser().parse_args(argv)
+  if args.quick:
+    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
+  cfg = common.ModelConfig(args.model, width=args.width, batch=args.batch,
+                           seq_len=args.seq_len if args.model == "gpt" else 1,
+                           heads=args.heads if args.model == "gpt" else 1)
+  x = common.example_input(cfg)
+  start = time.perf_counter()
+  if not args.quick:  # The smoke test only checks that the script runs.
+    measure(common.build("stacked", "none", cfg, 2), x)  # warm-up, untimed
+  best: dict[tuple[str, int], dict[str, float]] = {}
+  for depth in args.depths:
+    for repeat in range(args.repeats):
+      for impl in (IMPLS if repeat % 2 == 0 else IMPLS[::-1]):
+        times = measure(common.build(impl, "none", cfg, depth), x)
+        common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: " +
+                   " ".join(f"{k[:-2]} {times[k]:.2f}s" for k in PHASES))
+        if (impl, depth) not in best or times["total_s"] < best[(impl, depth)]["total_s"]:
+          best[(impl, depth)] = times
+  rows = [{"impl": impl, "num_layers": depth, **t} for (impl, depth), t in best.items()]
+  ratios = {str(d): best[("hk_layer_stack", d)]["total_s"] / best[("stacked", d)]["total_s"]
+            for d in args.depths}
+  run_ratios = {str(d): best[("hk_layer_stack", d)]["run_s"] / best[("stacked", d)]["run_s"]
+                for d in args.depths}
+  payload = {
+      "question": __doc__.strip().splitlines()[0],
+      "command": common.command_line(),
+      "quick": args.quick,
+      "config": {"model": args.model, "model_config": cfg.describe(), "depths": args.depths,
+                 "repeats": args.repeats, "statistic": "fastest total of the repeats",
+                 "init": "jax.jit(hk.transform(f).init).lower(key, x).compile()(key, x)"},
+      "measurements": rows,
+      "summary": {"hk_over_stacked": ratios, "hk_over_stacked_run_only": run_ratios,
+                  "deepest": max(args.depths)},
+      "seconds": time.perf_counter() - start,
+  }
+  payload["markdown"] = markdown(payload)
+  print(payload["markdown"])
+  common.write_json(args.results_dir, NAME, payload)
+  if not args.no_plot:
+    common.save_plot(args.results_dir, NAME, draw(payload))
+  return payload
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,269 @@
+"""How fast is a gradient step with each remat policy, against writing it by hand?
+
+Steady-state seconds per gradient step of an L-layer stack, for every policy,
+of ``st.Stacked`` against
+
+* the hand-written ``jax.lax.scan(jax.checkpoint(body, policy=...,
+  prevent_cse=False))`` with the equivalent jax policy (target: Stacked at
+  most 1.03x its time), and
+* ``hk.layer_stack`` over an ``hk.remat(policy=...)``-ed block, as a Haiku
+  user writes it (target: at most 1.0x),
+
+and the recompute cost of ``full`` and ``nested`` against ``none`` (the
+Haliax guide predicts 4/3 and 5/3 of the FLOPs of ``none``).
+
+All contenders are compiled and warmed up first, then timed in one process in
+``--rounds`` rounds; each round times every contender for ``--steps`` steps
+(``block_until_ready`` on the last), in an order that alternates direction
+every round (A B C, C B A, ...) so that a slow drift in the machine's load
+cancels. A ratio is the median over rounds of the two contenders' times in
+the same round: only ratios, never absolute times, are meant to carry over to
+another machine.
+
+  python benchmarks/step_time.py               # full run, ~4 min on 2 cores
+  python benchmarks/step_time.py --quick       # seconds (the smoke test)
+  python benchmarks/step_time.py --model mlp --num_layers 36 --rounds 15
+
+Writes ``benchmarks/results/step_time.json`` and ``step_time.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from benchmarks import common  # pylint: disable=wrong-import-position
+
+NAME = "step_time"
+IMPLS = ("stacked", "lax_scan", "hk_layer_stack")
+BASELINES = {"lax_scan": 1.03, "hk_layer_stack": 1.0}
+GUIDE_RECOMPUTE = {"full": 4 / 3, "nested": 5 / 3}
+
+
+def prepare(contender: common.Contender, x: jax.Array):
+  """Makes the contender's parameters, compiles its step and runs it once."""
+  params = contender.synthetic_params(x)
+  step = contender.grad_step()
+  t0 = time.perf_counter()
+  compiled = step.lower(params, x).compile()
+  compile_s = time.perf_counter() - t0
+  common.block(compiled(params, x))
+  return compiled, params, compile_s
+
+
+def time_steps(compiled, params, x, steps: int) -> float:
+  """Seconds per step over ``steps`` back-to-back steps."""
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(steps):
+    out = compiled(params, x)
+  common.block(out)
+  return (time.perf_counter() - t0) / steps
+
+
+def ratio_stats(a: list[float], b: list[float]) -> dict[str, float]:
+  """Median and spread, over rounds, of the per-round ratio ``a / b``."""
+  r = np.asarray(a) / np.asarray(b)
+  return {"median": float(np.median(r)), "p25": float(np.percentile(r, 25)),
+          "p75": float(np.percentile(r, 75)), "min": float(r.min()), "max": float(r.max())}
+
+
+def analyse(times: dict[str, list[float]], policies: list[str]) -> dict[str, Any]:
+  vs: dict[str, Any] = {}
+  for baseline, target in BASELINES.items():
+    entry = {}
+    for policy in policies:
+      a, b = times.get(f"stacked/{policy}"), times.get(f"{baseline}/{policy}")
+      if a and b:
+        stats = ratio_stats(a, b)
+        entry[policy] = {**stats, "target": target, "met": stats["median"] <= target}
+    vs[baseline] = entry
+  recompute = {}
+  none = times.get("stacked/none")
+  for policy in policies:
+    if policy != "none" and none and times.get(f"stacked/{policy}"):
+      recompute[policy] = {**ratio_stats(times[f"stacked/{policy}"], none),
+                           "guide_flops_ratio": GUIDE_RECOMPUTE.get(policy)}
+  return {"stacked_over": vs, "over_none": recompute}
+
+
+def markdown(payload: dict[str, Any]) -> str:
+  res = payload["ratios"]
+  med = payload["median_seconds"]
+  policies = payload["config"]["policies"]
+  lines = ["| policy | Stacked ms/step | / lax.scan + jax.checkpoint (target <= 1.03) "
+           "| / hk.layer_stack + hk.remat (target <= 1.0) | / Stacked none |",
+           "|---|---:|---:|---:|---:|"]
+
+  def cell(entry):
+    if not entry:
+      return "n/a"
+    text = f"{entry['median']:.3f} [{entry['p25']:.3f}, {entry['p75']:.3f}]"
+    if "met" in entry:
+      text += "" if entry["met"] else " (missed)"
+    if entry.get("guide_flops_ratio"):
+      text += f" (guide {entry['guide_flops_ratio']:.2f})"
+    return text
+
+  for policy in policies:
+    ms = med.get(f"stacked/{policy}")
+    lines.append(f"| {policy} | {ms * 1e3:.1f} | "
+                 f"{cell(res['stacked_over']['lax_scan'].get(policy))} | "
+                 f"{cell(res['stacked_over']['hk_layer_stack'].get(policy))} | "
+                 f"{'1' if policy == 'none' else cell(res['over_none'].get(policy))} |"
+                 if ms else f"| {policy} | | | | |")
+  return "\n".join(lines)
+
+
+def draw(payload: dict[str, Any]):
+  res = payload["ratios"]
+  policies = payload["config"]["policies"]
+  cfg = payload["config"]
+
+  def fig_fn(plt):
+    fig, (ax_vs, ax_rc) = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.38
+    pos = np.arange(len(policies))
+    for k, (baseline, target) in enumerate(BASELINES.items()):
+      entries = [res["stacked_over"][baseline].get(p) for p in policies]
+      med = [e["median"] if e else np.nan for e in entries]
+      err = np.array([[e["median"] - e["p25"], e["p75"] - e["median"]] if e else [0, 0]
+                      for e in entries]).T
+      ax_vs.bar(pos + (k - 0.5) * width, med, width, yerr=err, capsize=3,
+                label=f"st.Stacked / {common.IMPL_LABELS[baseline]}")
+      ax_vs.axhline(target, color=f"C{k}", linestyle="--", linewidth=1,
+                    label=f"target <= {target:g}x vs {common.IMPL_LABELS[baseline]}")
+    ax_vs.set_xticks(pos, policies)
+    ax_vs.set_xlabel("remat policy")
+    ax_vs.set_ylabel("step-time ratio (median over rounds; bars: quartiles)")
+    ax_vs.set_ylim(0.8, max(1.25, np.nanmax([e["median"] for b in res["stacked_over"].values()
+                                              for e in b.values()] + [1.0]) + 0.05))
+    ax_vs.set_title("st.Stacked vs the same policy written by hand")
+    ax_vs.grid(True, axis="y", alpha=0.3)
+    ax_vs.legend(fontsize=8)
+    others = [p for p in policies if p in res["over_none"]]
+    med = [res["over_none"][p]["median"] for p in others]
+    err = np.array([[res["over_none"][p]["median"] - res["over_none"][p]["p25"],
+                     res["over_none"][p]["p75"] - res["over_none"][p]["median"]]
+                    for p in others]).T.reshape(2, len(others))
+    pos = np.arange(len(others))
+    ax_rc.bar(pos - 0.2, med, 0.4, yerr=err, capsize=3, label="measured: Stacked time / none")
+    guide = [GUIDE_RECOMPUTE.get(p, np.nan) for p in others]
+    ax_rc.bar(pos + 0.2, guide, 0.4, color="lightgray", edgecolor="gray",
+              label="the guide's FLOPs ratio (full 4/3, nested 5/3)")
+    ax_rc.axhline(1.0, color="black", linewidth=0.8)
+    ax_rc.set_xticks(pos, others)
+    ax_rc.set_xlabel("remat policy")
+    ax_rc.set_ylabel("step time relative to remat=none (x)")
+    ax_rc.set_title(f"Recompute cost ({cfg['model']}, L={cfg['num_layers']})")
+    ax_rc.grid(True, axis="y", alpha=0.3)
+    ax_rc.legend(fontsize=8)
+    return fig
+
+  return fig_fn
+
+
+def build_parser():
+  p = common.parser(__doc__)
+  p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
+  p.add_argument("--num_layers", type=int, default=16)
+  p.add_argument("--policies", type=common.str_list(common.POLICIES),
+                 default=list(common.POLICIES))
+  p.add_argument("--impls", type=common.str_list(IMPLS), default=list(IMPLS),
+                 help="st.Stacked and the hand-written contenders it is timed against")
+  p.add_argument("--save_name", default="mlp_hidden")
+  p.add_argument("--warmup_rounds", type=int, default=1,
+                 help="untimed rounds before the timed ones")
+  p.add_argument("--rounds", type=int, default=9)
+  p.add_argument("--steps", type=int, default=2, help="steps per contender per round")
+  p.add_argument("--width", type=int, default=64)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq_len", type=int, default=64, help="gpt only")
+  p.add_argument("--heads", type=int, default=4, help="gpt only")
+  return p
+
+
+QUICK = ["--model", "mlp", "--num_layers", "4", "--policies", "none,full",
+         "--impls", "stacked,lax_scan", "--rounds", "3", "--steps", "1", "--width", "16",
+         "--batch", "8"]
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  args = build_parser().parse_args(argv)
+  if args.quick:
+    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
+  cfg = common.ModelConfig(args.model, width=args.width, batch=args.batch,
+                           seq_len=args.seq_len if args.model == "gpt" else 1,
+                           heads=args.heads if args.model == "gpt" else 1)
+  x = common.example_input(cfg)
+  start = time.perf_counter()
+  ready = {}
+  compile_s = {}
+  for policy in args.policies:
+    for impl in args.impls:
+      if common.supports(impl, policy, args.num_layers):
+        c = common.build(impl, policy, cfg, args.num_layers, save_name=args.save_name)
+        compiled, params, compile_s[c.name] = prepare(c, x)
+        ready[c.name] = (compiled, params)
+        common.log(f"compiled {c.name} ({compile_s[c.name]:.1f}s)")
+  names = list(ready)
+  times: dict[str, list[float]] = {n: [] for n in names}
+  for r in range(-args.warmup_rounds, args.rounds):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      compiled, params = ready[name]
+      seconds = time_steps(compiled, params, x, args.steps)
+      if r >= 0:
+        times[name].append(seconds)
+    if r < 0:
+      continue
+    common.log(f"round {r}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f}ms" for n in names))
+  payload = {
+      "question": __doc__.strip().splitlines()[0],
+      "command": common.command_line(),
+      "quick": args.quick,
+      "config": {"model": args.model, "model_config": cfg.describe(),
+                 "num_layers": args.num_layers, "policies": args.policies,
+                 "impls": args.impls, "save_name": args.save_name, "rounds": args.rounds,
+                 "warmup_rounds": args.warmup_rounds, "steps": args.steps,
+                 "step": "jax.jit(jax.value_and_grad(mean(stack(x)**2)))(params, x)",
+                 "order": "all contenders each round, direction alternating every round",
+                 "hand_written": {
+                     "lax_scan": "jax.lax.scan(jax.checkpoint(body, policy=<jax policy>, "
+                                 "prevent_cse=False)); nested: a scan of checkpointed scans",
+                     "hk_layer_stack": "hk.layer_stack(L)(hk.remat(block, policy=<jax "
+                                       "policy>)) with hk.remat's default prevent_cse=True; "
+                                       "nested: hk.layer_stack of hk.remat(hk.layer_stack)"}},
+      "seconds_per_step": times,
+      "median_seconds": {n: common.median(t) for n, t in times.items()},
+      "compile_seconds": compile_s,
+      "ratios": analyse(times, args.policies),
+      "seconds": time.perf_counter() - start,
+  }
+  payload["summary"] = {
+      "stacked_over_lax_scan": {p: e["median"] for p, e in
+                                payload["ratios"]["stacked_over"]["lax_scan"].items()},
+      "stacked_over_hk_layer_stack": {p: e["median"] for p, e in
+                                      payload["ratios"]["stacked_over"]["hk_layer_stack"].items()},
+      "over_none": {p: e["median"] for p, e in payload["ratios"]["over_none"].items()},
+      "targets_missed": [f"{p} vs {b}: {e['median']:.3f} > {e['target']}"
+                         for b, d in payload["ratios"]["stacked_over"].items()
+                         for p, e in d.items() if not e["met"]],
+  }
+  payload["markdown"] = markdown(payload)
+  print(payload["markdown"])
+  common.write_json(args.results_dir, NAME, payload)
+  if not args.no_plot:
+    common.save_plot(args.results_dir, NAME, draw(payload))
+  return payload
+
+
+if __name__ == "__main__":
+  main()

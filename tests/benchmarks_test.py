@@ -1,0 +1,137 @@
+"""Smoke tests for benchmarks/: every script runs in --quick mode, so none rots.
+
+Each script is run with ``--quick`` (tiny sizes, seconds) into a temporary
+results directory, never over the committed ``benchmarks/results``, and its
+JSON is checked for the keys the README section reads and for positive
+numbers. The full runs are not tests: their numbers are timings and memory
+of one machine, committed in ``benchmarks/results``.
+
+Three scripts run in this process (their ``main(argv)``); one runs as a user
+runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
+import matplotlib, which must print one line and write no PNG.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+  sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import common  # pylint: disable=wrong-import-position
+from benchmarks import compile_time  # pylint: disable=wrong-import-position
+from benchmarks import init_time  # pylint: disable=wrong-import-position
+from benchmarks import memory  # pylint: disable=wrong-import-position
+from benchmarks import step_time  # pylint: disable=wrong-import-position
+
+COMMON_KEYS = {"benchmark", "question", "command", "quick", "config", "summary",
+               "markdown", "environment", "seconds"}
+
+
+def _positive_number(value):
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and value > 0)
+
+
+def _run(module, tmp_path):
+  payload = module.main(["--quick", "--results_dir", str(tmp_path)])
+  path = tmp_path / f"{module.NAME}.json"
+  assert path.exists(), f"{module.NAME} wrote no JSON in {tmp_path}"
+  on_disk = json.loads(path.read_text())
+  assert COMMON_KEYS <= set(on_disk), COMMON_KEYS - set(on_disk)
+  assert on_disk["benchmark"] == module.NAME
+  assert on_disk["quick"] is True
+  assert on_disk["environment"]["jax"]
+  assert on_disk["markdown"].startswith(("|", "**"))
+  png = tmp_path / f"{module.NAME}.png"
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
+    assert png.exists() and png.stat().st_size > 0
+  except ImportError:
+    assert not png.exists()
+  assert payload["benchmark"] == module.NAME
+  return on_disk
+
+
+def test_memory_quick(tmp_path):
+  result = _run(memory, tmp_path)
+  rows = result["measurements"]
+  assert {(r["impl"], r["policy"]) for r in rows} >= {
+      ("stacked", "none"), ("stacked", "full"), ("hk_layer_stack", "full"),
+      ("lax_scan", "full"), ("blockseq", "full")}
+  for row in rows:
+    assert set(row) == {"model", "impl", "policy", "num_layers", "temp_bytes"}
+    assert _positive_number(row["temp_bytes"]), row
+  for model, guide in result["guide"].items():
+    assert _positive_number(guide["C_bytes_analytic"]), model
+    for key in ("C_bytes_measured", "I_bytes_measured"):
+      assert isinstance(guide[key], float), (model, key)
+    assert {p["policy"] for p in guide["predicted"]} == {"none", "full"}
+    assert all(_positive_number(p["measured_bytes"]) for p in guide["predicted"])
+  # Without remat the step keeps every layer's activations; with it, less.
+  by = {(r["impl"], r["policy"], r["num_layers"]): r["temp_bytes"] for r in rows}
+  assert by[("stacked", "none", 4)] > by[("stacked", "full", 4)]
+  assert result["summary"]["gpt"]["order_low_to_high"][-1] == "none"
+
+
+def test_compile_time_quick(tmp_path):
+  result = _run(compile_time, tmp_path)
+  rows = result["measurements"]
+  assert {r["impl"] for r in rows} == {"stacked", "hk_layer_stack", "blockseq"}
+  for row in rows:
+    for key in ("trace_s", "compile_s", "total_s"):
+      assert _positive_number(row[key]), row
+  assert _positive_number(result["summary"]["target"]["ratio"])
+  assert isinstance(result["summary"]["target"]["met"], bool)
+
+
+def test_step_time_quick(tmp_path):
+  result = _run(step_time, tmp_path)
+  assert set(result["seconds_per_step"]) == {
+      "stacked/none", "lax_scan/none", "stacked/full", "lax_scan/full"}
+  for name, seconds in result["seconds_per_step"].items():
+    assert len(seconds) == result["config"]["rounds"], name
+    assert all(_positive_number(s) for s in seconds), name
+  ratios = result["ratios"]
+  for policy in ("none", "full"):
+    entry = ratios["stacked_over"]["lax_scan"][policy]
+    assert _positive_number(entry["median"]) and entry["target"] == 1.03
+  assert _positive_number(ratios["over_none"]["full"]["median"])
+  assert ratios["over_none"]["full"]["guide_flops_ratio"] == pytest.approx(4 / 3)
+  assert isinstance(result["summary"]["targets_missed"], list)
+
+
+def test_init_time_as_a_script_without_matplotlib(tmp_path):
+  # A stand-in matplotlib that fails to import, ahead of any installed one.
+  shadow = tmp_path / "shadow" / "matplotlib"
+  shadow.mkdir(parents=True)
+  (shadow / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+  results = tmp_path / "results"
+  env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+  done = subprocess.run(
+      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick",
+       "--results_dir", str(results)],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert common.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
+  assert not (results / "init_time.png").exists()
+  result = json.loads((results / "init_time.json").read_text())
+  assert COMMON_KEYS <= set(result)
+  assert {r["impl"] for r in result["measurements"]} == {"stacked", "hk_layer_stack"}
+  for row in result["measurements"]:
+    for key in ("trace_s", "compile_s", "run_s", "total_s"):
+      assert _positive_number(row[key]), row
+  assert all(_positive_number(v) for v in result["summary"]["hk_over_stacked"].values())
+
+
+def test_flags_reject_bad_lists():
+  with pytest.raises(SystemExit):
+    memory.build_parser().parse_args(["--policies", "full,bogus"])
+  with pytest.raises(SystemExit):
+    compile_time.build_parser().parse_args(["--depths", "4,0"])
