@@ -115,12 +115,21 @@ class ModelConfig:
     """Bytes of one carry (float32): the guide's ``C``, computed analytically."""
     return 4 * math.prod(self.carry_shape)
 
+  @property
+  def param_bytes_per_layer(self) -> int:
+    """Bytes of one block's parameters (float32), from their shapes."""
+    block = hk.transform(lambda x: make_block(self)()(x))
+    shapes = jax.eval_shape(block.init, jax.random.PRNGKey(0),
+                            jax.ShapeDtypeStruct(self.carry_shape, jnp.float32))
+    return sum(4 * math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
   def describe(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     if self.kind == "mlp":
       del out["seq_len"], out["heads"]
     out["carry_shape"] = list(self.carry_shape)
     out["carry_bytes"] = self.carry_bytes
+    out["param_bytes_per_layer"] = self.param_bytes_per_layer
     return out
 
 
@@ -506,6 +515,15 @@ def save_plot(results_dir: Path, name: str, draw: Callable[[Any], Any]) -> Optio
   pyplot.close(fig)
   print(f"wrote {_display(path)}")
   return path
+
+
+def depth_axis(ax: Any, depths: Iterable[int]) -> None:
+  """A log2 x axis labelled "layers L", ticked at the measured depths."""
+  depths = sorted(set(depths))
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(depths, [str(d) for d in depths])
+  ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+  ax.set_xlabel("layers L")
 
 
 def _display(path: Path) -> str:

@@ -99,9 +99,8 @@ def draw(payload: dict[str, Any]):
                       label=f"{common.IMPL_LABELS[impl]}: trace + compile")
       ax.plot(depths, traces, linestyle=style, color=line.get_color(), alpha=0.35,
               label=f"{common.IMPL_LABELS[impl]}: trace only")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("layers L")
+    common.depth_axis(ax, [r["num_layers"] for r in rows])
     ax.set_ylabel("seconds to trace + compile one gradient step (s)")
     ax.set_title(f"Compile time vs depth ({cfg['model']}, remat={cfg['remat']}, "
                  f"best of {cfg['repeats']})")

@@ -91,9 +91,8 @@ def draw(payload: dict[str, Any]):
                        f"{cfg['repeats']})")
     ax_run.set_title("the same, split into its phases")
     for ax in (ax_total, ax_run):
-      ax.set_xscale("log", base=2)
       ax.set_yscale("log")
-      ax.set_xlabel("layers L")
+      common.depth_axis(ax, [r["num_layers"] for r in rows])
       ax.set_ylabel("seconds (s)")
       ax.grid(True, which="both", alpha=0.3)
       ax.legend(fontsize=8)

@@ -246,9 +246,8 @@ def draw(payload: dict[str, Any]):
                         label=f"{common.IMPL_LABELS[impl]}: {policy}")
       ax_alt.set_title(f"{model}: the same policies written by hand")
       for ax in (ax_guide, ax_alt):
-        ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("layers L")
+        common.depth_axis(ax, [r["num_layers"] for r in rows if r["model"] == model])
         ax.set_ylabel("compiled temp memory of one gradient step (MiB)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
@@ -261,6 +260,8 @@ def compiler_options(args, cfgs) -> tuple[Optional[dict[str, Any]], dict[str, An
   """``common.FAST_COMPILE``, once checked to give the default's temp bytes."""
   if args.exact_compile:
     return None, {"checked": False, "reason": "--exact_compile: XLA's defaults"}
+  if args.quick:
+    return dict(common.FAST_COMPILE), {"checked": False, "reason": "--quick"}
   model, cfg = next(iter(cfgs.items()))
   policy = "nested" if "nested" in args.policies else args.policies[0]
   contender = common.build("stacked", policy, cfg, max(args.depths), save_name=args.save_name)
@@ -303,10 +304,10 @@ def build_parser():
   return p
 
 
-QUICK = ["--models", "gpt", "--depths", "2,4", "--policies", "none,full",
-         "--alt_depths", "2", "--alt_policies", "full", "--blockseq_depths", "2",
+QUICK = ["--models", "gpt", "--depths", "1,2", "--policies", "none,full",
+         "--alt_depths", "2", "--alt_policies", "full", "--blockseq_depths", "1",
          "--blockseq_policies", "full", "--gpt_width", "16", "--gpt_batch", "2",
-         "--gpt_seq_len", "8", "--gpt_heads", "2", "--exact_compile"]
+         "--gpt_seq_len", "8", "--gpt_heads", "2"]
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

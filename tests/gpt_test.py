@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import traceback
+import zipfile
 
 import haiku as hk
 import jax
@@ -137,23 +138,26 @@ class Drivers:
       out_path = os.path.join(tmp, f"driver{i}.out.json")
       with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(specs, f)
+      # Output to a file: a pipe nobody reads while other tests run could fill.
+      output = open(os.path.join(tmp, f"driver{i}.log"), "w+", encoding="utf-8")
       code = ("import sys; import stacktools; tf = 'tensorflow' in sys.modules; "
               "sys.path[:0] = sys.argv[1:3]; import gpt_test; "
               "gpt_test.drive(sys.argv[3], sys.argv[4], tf)")
       proc = subprocess.Popen(
           [sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
            spec_path, out_path],
-          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      self.procs.append((proc, out_path))
+          cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+      self.procs.append((proc, out_path, output))
     self._result = None
 
   def result(self) -> dict:
     """``{"runs": {name: [errors and logs, in order]}, "tf_*": bool}``."""
     if self._result is None:
       runs, tf = {}, []
-      for proc, out_path in self.procs:
-        output, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"driver failed:\n{output[-5000:]}"
+      for proc, out_path, output in self.procs:
+        proc.wait(timeout=600)
+        output.seek(0)
+        assert proc.returncode == 0, f"driver failed:\n{output.read()[-5000:]}"
         with open(out_path, encoding="utf-8") as f:
           out = json.load(f)
         for run in out["runs"]:
@@ -172,10 +176,11 @@ class Drivers:
     return os.path.join(self.tmp, name)
 
   def close(self) -> None:
-    for proc, _ in self.procs:
+    for proc, _, output in self.procs:
       if proc.poll() is None:
         proc.kill()
-        proc.communicate()
+        proc.wait()
+      output.close()
 
 
 def write_corpus(path: str, repeats: int = 120) -> str:
@@ -264,10 +269,6 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
   garbage = tmp_path / "garbage"
   garbage.mkdir()
   (garbage / "checkpoint.npz").write_bytes(b"this is not a checkpoint\x00\xff" * 40)
-  truncated = tmp_path / "truncated"
-  truncated.mkdir()
-  # A zip's local header and nothing else: a run killed mid-write, unrenamed.
-  (truncated / "checkpoint.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 60)
 
   # (name, script, flags, fragments the message must contain)
   cases = [
@@ -291,33 +292,75 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
       ("garbage", TRAIN, {"resume": True, "workdir": str(garbage)},
        ["error: --resume:", "not a readable checkpoint"]),
-      ("truncated", TRAIN, {"resume": True, "workdir": str(truncated)},
-       ["error: --resume:", "not a readable checkpoint"]),
       ("sample_no_ckpt", SAMPLE, {}, ["error: No checkpoint"]),
       ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
        ["error:", "not a readable checkpoint"]),
   ]
-  procs, before = [], {}
-  for name, script, flags, _ in cases:
-    workdir = str(tmp_path / "work" / name)
-    flags = {"workdir": workdir, **flags}
+  started = []
+  for name, script, flags, fragments in cases:
+    flags = {"workdir": str(tmp_path / "work" / name), **flags}
     args = as_args({**base, **flags}) if script == TRAIN else as_args(flags)
-    before[name] = listing(flags["workdir"])
-    procs.append(cli(script, *args))
-  for (name, script, flags, fragments), proc in zip(cases, procs):
+    started.append((name, flags["workdir"], fragments, listing(flags["workdir"]),
+                    cli(script, *args)))
+  for name, workdir, fragments, before, proc in started:
     rc, _, stderr = finish(proc)
     assert rc != 0, name
     assert "Traceback" not in stderr, f"{name}:\n{stderr}"
-    message = stderr.strip().splitlines()
     # absl's parse errors add a hint line; the message itself is one line.
-    message = [l for l in message if not l.startswith("Pass --helpshort")]
+    message = [l for l in stderr.strip().splitlines()
+               if not l.startswith("Pass --helpshort")]
     assert len(message) == 1, f"{name}:\n{stderr}"
     for fragment in fragments:
       assert fragment in message[0], f"{name}: {fragment!r} not in {message[0]!r}"
-    workdir = flags.get("workdir", str(tmp_path / "work" / name))
-    assert listing(workdir) == before[name], f"{name} wrote to its workdir"
+    assert listing(workdir) == before, f"{name} wrote to its workdir"
   assert not (tmp_path / "work").exists()
   assert (garbage / "checkpoint.npz").read_bytes().startswith(b"this is not")
+
+
+def corrupt_member(path: str, member: str) -> None:
+  """Flips a byte of one array's data inside the .npz, leaving the zip whole."""
+  with zipfile.ZipFile(path) as z:
+    info = z.getinfo(member)
+  data = bytearray(open(path, "rb").read())
+  # Local file header: 30 bytes, then the name and the extra field.
+  name_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
+  extra_len = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+  data[info.header_offset + 30 + name_len + extra_len + info.compress_size - 4] ^= 0xFF
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def test_damaged_real_checkpoints_fail_cleanly(drivers, tmp_path):
+  """A real checkpoint cut short, or with one flipped byte of parameters."""
+  name = _run_name("full", "fold")
+  drivers.run(name)
+  source = os.path.join(drivers.workdir(name), "checkpoint.npz")
+  original = open(source, "rb").read()
+  truncated, flipped = tmp_path / "truncated", tmp_path / "flipped"
+  for d in (truncated, flipped):
+    d.mkdir()
+  (truncated / "checkpoint.npz").write_bytes(original[:len(original) // 2])
+  (flipped / "checkpoint.npz").write_bytes(original)
+  corrupt_member(str(flipped / "checkpoint.npz"), "params['h/block/fc']['w'].npy")
+  flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "block": "fold",
+           "resume": True}
+  cases = [  # (workdir, process, fragments of the last line of stderr)
+      (truncated, cli(TRAIN, *as_args({**flags, "workdir": truncated})),
+       ["error: --resume:", "not a readable checkpoint"]),
+      (flipped, cli(TRAIN, *as_args({**flags, "workdir": flipped})),
+       ["error: --resume:", "corrupt"]),
+      (flipped, cli(SAMPLE, f"--workdir={flipped}", "--prompt=the "),
+       ["error:", "corrupt"]),
+  ]
+  for workdir, proc, fragments in cases:
+    rc, _, stderr = finish(proc)
+    assert rc != 0 and "Traceback" not in stderr, stderr
+    # Reading the arrays comes after start-up logging; the error is the last line.
+    last = stderr.strip().splitlines()[-1]
+    for fragment in fragments:
+      assert fragment in last, f"{fragment!r} not in {last!r}"
+    assert listing(workdir) == {"checkpoint.npz"}, workdir
+  assert (truncated / "checkpoint.npz").read_bytes() == original[:len(original) // 2]
 
 
 # ---------------------------------------------------------------------------
@@ -443,24 +486,37 @@ def test_kv_cache_decode_matches_forward(stack, block):
   cfg = model_lib.GPTConfig(vocab_size=11, seq_len=16, num_layers=NUM_LAYERS,
                             num_heads=2, d_model=16, block=block, stack=stack)
   batch, length, prompt = 2, 12, 5
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, cfg.vocab_size)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
   forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
   decode = hk.without_apply_rng(hk.transform(
       lambda t, c, p: model_lib.decode(cfg, t, c, p)))
-  params = forward.init(jax.random.PRNGKey(0), tokens)
-  # Layer weights differ from each other (each layer has its own init key).
-  expected, _ = jax.jit(forward.apply)(params, tokens)
+  # Any parameters will do (decode and forward share them): random ones, a
+  # different draw for every layer; eval_shape spares compiling an init.
+  shapes = jax.eval_shape(forward.init, jax.random.PRNGKey(0), tokens)
+  params = jax.tree_util.tree_map(
+      lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
 
-  step = jax.jit(decode.apply)
-  cache = model_lib.init_cache(cfg, batch)
-  logits, cache = step(params, tokens[:, :prompt], cache, jnp.int32(0))
-  pieces = [logits]
-  for pos in range(prompt, length):
-    logits, cache = step(params, tokens[:, pos:pos + 1], cache, jnp.int32(pos))
-    pieces.append(logits)
-  np.testing.assert_allclose(np.concatenate(pieces, axis=1), expected, atol=1e-5, rtol=1e-5)
-  # The cache holds each layer's keys at the positions decoded, zeros after.
-  assert cache["k"].shape == (NUM_LAYERS, batch, cfg.seq_len, 2, 8)
-  assert not np.any(np.asarray(cache["k"])[:, :, length:])
-  assert np.all(np.any(np.asarray(cache["k"])[:, :, :length] != 0, axis=(-1, -2)))
+  @jax.jit  # One compile: the forward pass, the prefill and the decode steps.
+  def forward_and_decode(params, tokens):
+    expected, _ = forward.apply(params, tokens)
+    cache = model_lib.init_cache(cfg, batch)
+    prefill, cache = decode.apply(params, tokens[:, :prompt], cache, 0)
 
+    def one_token(cache, pos):
+      token = jax.lax.dynamic_slice_in_dim(tokens, pos, 1, axis=1)
+      logits, cache = decode.apply(params, token, cache, pos)
+      return cache, logits[:, 0]
+
+    cache, steps = jax.lax.scan(one_token, cache, jnp.arange(prompt, length))
+    return expected, jnp.concatenate([prefill, steps.swapaxes(0, 1)], axis=1), cache
+
+  expected, decoded, cache = forward_and_decode(params, tokens)
+  assert decoded.shape == expected.shape == (batch, length, cfg.vocab_size)
+  np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=1e-5)
+  # The cache holds every layer's keys at the positions decoded, zeros after.
+  keys = np.asarray(cache["k"])
+  assert keys.shape == (NUM_LAYERS, batch, cfg.seq_len, 2, 8)
+  assert not np.any(keys[:, :, length:])
+  assert np.all(np.any(keys[:, :, :length] != 0, axis=(-1, -2)))
+  assert not np.allclose(keys[0], keys[1])  # the layers differ
