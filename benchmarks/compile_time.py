@@ -7,9 +7,11 @@ grows with L). Target: the Stacked curve is flat, its L=64 total at most 1.5x
 its L=4 total, while the unrolled one grows.
 
 Each (contender, depth) is traced and compiled ``--repeats`` times from a
-fresh ``jax.jit`` (nothing cached), alternating the contenders, and the
-fastest repeat is kept: on a shared machine the minimum is the least noisy
-estimate of the work. One untimed compile warms JAX up first.
+fresh ``jax.jit`` (nothing cached); each repeat sweeps every depth and
+contender, in alternating directions, so that a drift in the machine's load
+reaches all of them alike, and the fastest repeat is kept: on a shared
+machine the minimum is the least noisy estimate of the work. One untimed
+compile warms JAX up first.
 
   python benchmarks/compile_time.py            # full run, ~4 min on 2 cores
   python benchmarks/compile_time.py --quick    # seconds (the smoke test)
@@ -148,11 +150,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     measure(common.build("stacked", args.remat, cfg, 2), x)  # warm-up, untimed
   depths = sorted(set(args.depths) | set(args.blockseq_depths))
   best: dict[tuple[str, int], dict[str, float]] = {}
-  for depth in depths:
-    impls = [i for i in IMPLS if depth in (args.blockseq_depths if i == "blockseq"
-                                            else args.depths)]
-    impls = [i for i in impls if common.supports(i, args.remat, depth)]
-    for repeat in range(args.repeats):
+  # Repeats outermost, directions alternating, so that a drift in the
+  # machine's load over the run reaches every depth and contender alike.
+  for repeat in range(args.repeats):
+    for depth in (depths if repeat % 2 == 0 else depths[::-1]):
+      impls = [i for i in IMPLS if depth in (args.blockseq_depths if i == "blockseq"
+                                              else args.depths)]
+      impls = [i for i in impls if common.supports(i, args.remat, depth)]
       for impl in (impls if repeat % 2 == 0 else impls[::-1]):
         times = measure(common.build(impl, args.remat, cfg, depth), x)
         common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: trace {times['trace_s']:.2f}s"

@@ -29,7 +29,10 @@ T = TypeVar("T")
 CARRY_NAME = "stacktools_carry"
 #: Name given to the per-layer input (the slice of ``xs``) of every step.
 INPUT_NAME = "stacktools_input"
-_RESERVED_NAMES = (CARRY_NAME, INPUT_NAME)
+#: Name given to the carry entering each outer step of a nested loop, so that
+#: ``save_carries="offload"`` can move those carries to host memory too.
+OUTER_CARRY_NAME = "stacktools_outer_carry"
+_RESERVED_NAMES = (CARRY_NAME, INPUT_NAME, OUTER_CARRY_NAME)
 
 SaveOption = Union[bool, Literal["offload"]]
 RematSpec = Union[bool, str, "CheckpointPolicy", None]
@@ -161,9 +164,12 @@ class CheckpointPolicy:
       object.__setattr__(self, "nested", int(nested))
 
     if self.disable:
-      changed = [f.name for f in dataclasses.fields(self)
-                 if f.name not in ("disable", "prevent_cse")
-                 and getattr(self, f.name) != _DEFAULTS[f.name]]
+      # Only fields that ask for something disable=True would not do.
+      changed = [name for name in ("save_block_internals",
+                                   "offload_block_internals", "nested")
+                 if getattr(self, name)]
+      changed += [name for name in ("save_carries", "save_inputs")
+                  if getattr(self, name) == "offload"]
       if changed:
         raise ValueError(
             f"CheckpointPolicy(disable=True) turns checkpointing off, so "
@@ -294,5 +300,3 @@ class CheckpointPolicy:
     return jax.checkpoint(named_step, policy=self.jax_policy(),
                           prevent_cse=self.prevent_cse)
 
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CheckpointPolicy)}

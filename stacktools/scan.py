@@ -18,6 +18,7 @@ at the end rather than a worse split.
 from __future__ import annotations
 
 import builtins
+import operator
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar, Union
 
@@ -31,9 +32,7 @@ Carry = TypeVar("Carry")
 Y = TypeVar("Y")
 PyTree = Any
 
-#: Name given to the carry entering each outer step of a nested loop, so that
-#: ``save_carries="offload"`` can move those carries to host memory too.
-OUTER_CARRY_NAME = "stacktools_outer_carry"
+OUTER_CARRY_NAME = policy_lib.OUTER_CARRY_NAME
 
 
 def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
@@ -67,7 +66,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
     ``run(init, xs=None) -> carry``.
   """
   policy = policy_lib.CheckpointPolicy.from_remat(remat)
-  _check_unroll(unroll)
+  unroll = _check_unroll(unroll)
 
   def step(carry, x):
     new_carry = f(carry, x)
@@ -116,7 +115,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
     axis of the loop length.
   """
   policy = policy_lib.CheckpointPolicy.from_remat(remat)
-  _check_unroll(unroll)
+  unroll = _check_unroll(unroll)
 
   def step(carry, x):
     out = f(carry, x)
@@ -171,7 +170,7 @@ def nested_split(length: int, nested: Union[bool, int]) -> tuple[int, int, int]:
 
   Example::
 
-    nested_split(61, True)   # (7, 8, 5): 7 chunks of 8 steps, then 5 steps
+    nested_split(61, True)   # (8, 7, 5): 8 chunks of 7 steps, then 5 steps
 
   Args:
     length: the number of steps.
@@ -273,12 +272,24 @@ def _nested_loop(step, init, xs, n, policy, unroll, reverse):
 # Checks, all at trace time.
 
 
+def _as_int(value) -> Optional[int]:
+  """``value`` as an int when it is an integer (numpy ones too), else None."""
+  if isinstance(value, bool):
+    return None
+  try:
+    return operator.index(value)
+  except TypeError:
+    return None
+
+
 def _check_unroll(unroll):
   if isinstance(unroll, bool):
-    return
-  if not isinstance(unroll, int) or unroll < 1:
+    return unroll
+  as_int = _as_int(unroll)
+  if as_int is None or as_int < 1:
     raise ValueError(f"unroll={unroll!r} is not accepted: use an int >= 1 (steps "
                      "per rolled loop iteration) or True to unroll fully.")
+  return as_int
 
 
 def _path(prefix, path):
@@ -288,8 +299,10 @@ def _path(prefix, path):
 def _loop_length(xs, length) -> int:
   """The number of steps, checked against every leaf of ``xs``."""
   if length is not None:
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+    as_int = _as_int(length)
+    if as_int is None or as_int < 0:
       raise ValueError(f"length={length!r} must be a non-negative int.")
+    length = as_int
   leaves = jax.tree_util.tree_flatten_with_path(xs)[0]
   if not leaves:
     if length is None:

@@ -3,11 +3,11 @@
 Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
 batched into two driver subprocesses started once per module (each calls
 :func:`drive` of this file). One interpreter then pays the JAX import for
-many runs, the two drivers use both cores, and the drivers compile
-with XLA's cheap LLVM settings (``FAST_XLA``, which changes how fast the code
-is compiled, not what it computes) without touching the pytest process. The
-drivers also report whether ``import stacktools`` and the runs imported
-TensorFlow.
+many runs, the two drivers use both cores, and the drivers compile with
+XLA's cheap LLVM settings (``FAST_XLA``, which changes how fast the code is
+compiled, not what it computes) and a private persistent compilation cache,
+without touching the pytest process. The drivers also report whether
+``import stacktools`` and the runs imported TensorFlow.
 
 What is checked, against numbers rather than "it runs":
 
@@ -90,12 +90,17 @@ def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
   return [fold, scan]
 
 
-def drive(spec_path: str, out_path: str, tf_after_import: bool) -> None:
+def drive(spec_path: str, out_path: str, tf_after_import: bool, cache_dir: str) -> None:
   """Runs ``train.main`` once per spec in this process; writes errors and logs.
 
   Called in a fresh interpreter, which imported stacktools first and says
-  whether that imported TensorFlow.
+  whether that imported TensorFlow. Programs that several runs share (the
+  init, most evaluations, the resumed run's step) compile once, through a
+  persistent compilation cache private to this driver.
   """
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   import logging as py_logging  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
@@ -142,10 +147,10 @@ class Drivers:
       output = open(os.path.join(tmp, f"driver{i}.log"), "w+", encoding="utf-8")
       code = ("import sys; import stacktools; tf = 'tensorflow' in sys.modules; "
               "sys.path[:0] = sys.argv[1:3]; import gpt_test; "
-              "gpt_test.drive(sys.argv[3], sys.argv[4], tf)")
+              "gpt_test.drive(sys.argv[3], sys.argv[4], tf, sys.argv[5])")
       proc = subprocess.Popen(
           [sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
-           spec_path, out_path],
+           spec_path, out_path, os.path.join(tmp, f"jax_cache{i}")],
           cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
       self.procs.append((proc, out_path, output))
     self._result = None
