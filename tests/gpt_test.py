@@ -156,7 +156,7 @@ class Drivers:
     self._result = None
 
   def result(self) -> dict:
-    """``{"runs": {name: [errors and logs, in order]}, "tf_*": bool}``."""
+    """``{"runs": {name: [runs of that name, in order]}, "tf": [(bool, bool)]}``."""
     if self._result is None:
       runs, tf = {}, []
       for proc, out_path, output in self.procs:
@@ -326,7 +326,8 @@ def corrupt_member(path: str, member: str) -> None:
   """Flips a byte of one array's data inside the .npz, leaving the zip whole."""
   with zipfile.ZipFile(path) as z:
     info = z.getinfo(member)
-  data = bytearray(open(path, "rb").read())
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
   # Local file header: 30 bytes, then the name and the extra field.
   name_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
   extra_len = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
@@ -339,8 +340,8 @@ def test_damaged_real_checkpoints_fail_cleanly(drivers, tmp_path):
   """A real checkpoint cut short, or with one flipped byte of parameters."""
   name = _run_name("full", "fold")
   drivers.run(name)
-  source = os.path.join(drivers.workdir(name), "checkpoint.npz")
-  original = open(source, "rb").read()
+  with open(os.path.join(drivers.workdir(name), "checkpoint.npz"), "rb") as f:
+    original = f.read()
   truncated, flipped = tmp_path / "truncated", tmp_path / "flipped"
   for d in (truncated, flipped):
     d.mkdir()
