@@ -8,6 +8,7 @@ from stacktools.scan import fold
 from stacktools.scan import map  # pylint: disable=redefined-builtin
 from stacktools.scan import scan
 from stacktools.seq import BlockSeq
+from stacktools.sharding import stacked_partition_specs
 from stacktools.stack import layer_index
 from stacktools.stack import layer_stack
 from stacktools.stack import per_layer
@@ -29,5 +30,6 @@ __all__ = (
     "per_layer",
     "scan",
     "stack_params",
+    "stacked_partition_specs",
     "unstack_params",
 )

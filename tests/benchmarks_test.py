@@ -99,13 +99,16 @@ def test_step_time_quick(tmp_path):
   for name, seconds in result["seconds_per_step"].items():
     assert len(seconds) == result["config"]["rounds"], name
     assert all(_positive_number(s) for s in seconds), name
-  ratios = result["ratios"]
-  for policy in ("none", "full"):
-    entry = ratios["stacked_over"]["lax_scan"][policy]
-    assert _positive_number(entry["median"]) and entry["target"] == 1.03
-  assert _positive_number(ratios["over_none"]["full"]["median"])
-  assert ratios["over_none"]["full"]["guide_flops_ratio"] == pytest.approx(4 / 3)
-  assert isinstance(result["summary"]["targets_missed"], list)
+    assert all(_positive_number(s) for s in result["cpu_seconds_per_step"][name]), name
+  for clock, key in (("wall", "ratios"), ("cpu", "cpu_ratios")):
+    ratios = result[key]
+    for policy in ("none", "full"):
+      entry = ratios["stacked_over"]["lax_scan"][policy]
+      assert _positive_number(entry["median"]) and entry["target"] == 1.03
+    assert _positive_number(ratios["over_none"]["full"]["median"])
+    assert ratios["over_none"]["full"]["guide_flops_ratio"] == pytest.approx(4 / 3)
+    assert isinstance(result["summary"][clock]["targets_missed"], list)
+    assert set(result["summary"][clock]["stacked_over_lax_scan"]) == {"none", "full"}
 
 
 def test_init_time_as_a_script_without_matplotlib(tmp_path):

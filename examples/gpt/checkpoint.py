@@ -91,12 +91,14 @@ def load(workdir: str, templates: dict[str, Any]) -> tuple[dict[str, Any], dict[
               "flags (e.g. --num_layers, --stack). Use the same model flags, or "
               "a new --workdir.")
         value = _read(data, key, path)
-        expected = np.asarray(leaf)
-        if value.shape != expected.shape or value.dtype != expected.dtype:
+        # Templates may be arrays or jax.ShapeDtypeStructs.
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+        if value.shape != shape or value.dtype != dtype:
           raise CheckpointError(
               f"{path}: {key} is {value.dtype}{list(value.shape)} but the model "
-              f"needs {expected.dtype}{list(expected.shape)}; the model flags "
-              "differ from the run that wrote it.")
+              f"needs {dtype}{list(shape)}; the model flags differ from the run "
+              "that wrote it.")
         restored.append(value)
       trees[name] = jax.tree_util.tree_unflatten(treedef, restored)
   return trees, meta

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import stacktools as st  # pylint: disable=g-import-not-at-top
 from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 
@@ -82,6 +83,15 @@ _SAMPLE_TOKENS = flags.DEFINE_integer(
     "sample_tokens", 200, "Characters to generate with the KV cache after training.",
     lower_bound=0)
 _SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "def ", "Prompt for the sample.")
+_MESH = flags.DEFINE_string(
+    "mesh", "", "Device mesh as axis:size pairs over the axes data (batch) and "
+    "fsdp (parameters), e.g. data:4,fsdp:2; default: every device on data.")
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, for --num_processes > 1.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run.",
+                                      lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, "
+                                   "0..--num_processes-1.", lower_bound=0)
 
 
 flags.register_multi_flags_validator(
@@ -194,6 +204,17 @@ def main(argv):
       checkpoint.load_meta(workdir)
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
+  try:
+    distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
+                           _PROCESS_ID.value)
+    mesh_sizes = distributed.parse_mesh(_MESH.value, jax.device_count())
+  except distributed.SetupError as e:
+    sys.exit(f"error: {e}")
+  if _BATCH_SIZE.value % mesh_sizes["data"]:
+    sys.exit(f"error: --batch_size={_BATCH_SIZE.value} is not divisible by the "
+             f"mesh's data axis ({mesh_sizes['data']}); each data shard needs "
+             "the same number of sequences.")
+  is_chief = jax.process_index() == 0
   dataset = load_data()
   check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
   policy = checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value)
@@ -217,16 +238,28 @@ def main(argv):
 
   sampler = data_lib.BatchSampler(dataset.train, _BATCH_SIZE.value, _SEQ_LEN.value,
                                   _SEED.value)
-  params = jax.jit(model.init)(jax.random.PRNGKey(_SEED.value), sampler_peek(sampler))
-  opt_state = optimizer.init(params)
+  # Every process samples the same global batch (cheap: indices into the
+  # text) and transfers only the rows its own devices hold.
+  mesh = distributed.make_mesh(mesh_sizes)
+  batch_sharding = distributed.batch_sharding(mesh)
+  eval_batches = [distributed.put_global(b, batch_sharding) for b in eval_batches]
+  init_key = jax.random.PRNGKey(_SEED.value)
+  param_shapes = jax.eval_shape(model.init, init_key, sampler_peek(sampler))
+  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+  param_shardings = distributed.tree_shardings(mesh, param_shapes)
+  opt_shardings = distributed.tree_shardings(mesh, opt_shapes)
+  params = jax.jit(model.init, out_shardings=param_shardings)(init_key, sampler_peek(sampler))
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
   start_step, records = 0, []
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if _RESUME.value:
     try:
-      trees, meta = checkpoint.load(workdir, {"params": params, "opt_state": opt_state})
+      trees, meta = checkpoint.load(workdir, {"params": param_shapes,
+                                              "opt_state": opt_shapes})
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
-    params, opt_state = trees["params"], trees["opt_state"]
+    params = distributed.put_tree(trees["params"], param_shardings)
+    opt_state = distributed.put_tree(trees["opt_state"], opt_shardings)
     start_step = meta["step"]
     sampler.set_state(meta["sampler_state"])
     if os.path.exists(metrics_path):
@@ -234,14 +267,24 @@ def main(argv):
         records = [r for r in map(json.loads, f) if r["step"] <= start_step]
     logging.info("Resumed from step %d.", start_step)
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-  logging.info("Parameters: %d", num_params)
+  logging.info("Parameters: %d; mesh %s over %d devices in %d processes; "
+               "%.1f KiB of parameters and %.1f KiB of optimizer state per device.",
+               num_params, dict(mesh.shape), jax.device_count(), jax.process_count(),
+               distributed.per_device_bytes(params) / 1024,
+               distributed.per_device_bytes(opt_state) / 1024)
 
   def train_step(params, opt_state, tokens):
     (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, stats
 
-  compiled_step = jax.jit(train_step).lower(params, opt_state, sampler_peek(sampler)).compile()
+  replicated = distributed.replicated(mesh)
+  compiled_step = jax.jit(
+      train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
+      out_shardings=(param_shardings, opt_shardings, replicated, replicated),
+  ).lower(params, opt_state,
+          jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
+                               sharding=batch_sharding)).compile()
   memory = compiled_step.memory_analysis()
   logging.info("Train step: compiled temp memory %.2f MiB (remat=%s%s, stack=%s, block=%s).",
                memory.temp_size_in_bytes / 2**20, _REMAT.value,
@@ -253,18 +296,24 @@ def main(argv):
     return float(np.mean([eval_loss(params, b) for b in eval_batches]))
 
   def save_checkpoint(step):
-    checkpoint.save(workdir, {"params": params, "opt_state": opt_state}, {
+    # Gathering is a collective: every process takes part, one writes.
+    trees = distributed.to_host({"params": params, "opt_state": opt_state})
+    if not is_chief:
+      return
+    checkpoint.save(workdir, trees, {
         "step": step, "sampler_state": sampler.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                    if f.name != "remat"},
         "chars": dataset.chars})
 
-  os.makedirs(workdir, exist_ok=True)
-  write_metrics(metrics_path, records)
+  if is_chief:
+    os.makedirs(workdir, exist_ok=True)
+    write_metrics(metrics_path, records)
   window_losses, window_start = [], time.perf_counter()
   tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
   for step in range(start_step + 1, last_step + 1):
-    params, opt_state, loss, stats = compiled_step(params, opt_state, sampler.next())
+    batch = distributed.put_global(sampler.next(), batch_sharding)
+    params, opt_state, loss, stats = compiled_step(params, opt_state, batch)
     window_losses.append(loss)
     record = None
     if step % _LOG_EVERY.value == 0 or step == last_step:
@@ -289,16 +338,25 @@ def main(argv):
       window_start = time.perf_counter()  # evaluation is not training time
     if record is not None:
       records.append(record)
-      write_metrics(metrics_path, records)
+      if is_chief:
+        write_metrics(metrics_path, records)
     if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == last_step:
       save_checkpoint(step)
 
+  host_params = distributed.to_host(params) if _SAMPLE_TOKENS.value else None
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",
                records[-1].get("valid_loss", float("nan")) if records else float("nan"),
                dataset.unigram_entropy())
+  if not is_chief:
+    return
   plot_losses(workdir, records, dataset.unigram_entropy())
   if _SAMPLE_TOKENS.value:
-    text = sample_lib.generate(cfg, params, dataset, _SAMPLE_PROMPT.value,
+    # Sampling is small: it runs on process 0 alone, from host copies.
+    prompt = "".join(c for c in _SAMPLE_PROMPT.value if c in dataset.chars)
+    if prompt != _SAMPLE_PROMPT.value:
+      logging.warning("--sample_prompt has characters outside the corpus; "
+                      "sampling from %r instead.", prompt or dataset.chars[0])
+    text = sample_lib.generate(cfg, host_params, dataset, prompt or dataset.chars[0],
                                _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
 

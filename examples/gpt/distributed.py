@@ -1,0 +1,137 @@
+"""Devices and processes for train.py: the mesh, shardings and host transfers.
+
+Training runs on JAX's own SPMD runtime: one ``jax.jit`` whose inputs and
+outputs carry ``NamedSharding``s over a ``Mesh`` with a ``data`` axis (the
+batch is split over it) and an ``fsdp`` axis (parameters and optimizer state
+are split over it, FSDP-style, by ``st.stacked_partition_specs``, which keeps
+the stacked Layers axis whole). Several processes join through
+``jax.distributed``; on CPU they talk through gloo.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import stacktools as st
+
+MESH_AXES = ("data", "fsdp")
+# The stacks in the GPT model: st.Stacked(name="h") at the top level.
+STACKED = ("h",)
+
+
+class SetupError(ValueError):
+  """A flag combination that cannot work; the message names the flag."""
+
+
+def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
+  """``"data:4,fsdp:2"`` -> ``{"data": 4, "fsdp": 2}``, checked.
+
+  An empty spec puts every device on ``data``. An axis left out has size 1.
+
+  Raises:
+    SetupError: a spec that does not parse, names an unknown axis, repeats
+      one, or does not multiply to ``num_devices``.
+  """
+  if not spec.strip():
+    return {"data": num_devices, "fsdp": 1}
+  sizes: dict[str, int] = {}
+  for part in spec.split(","):
+    name, sep, size = part.strip().partition(":")
+    if not sep or not size.strip().isdigit() or int(size) < 1:
+      raise SetupError(
+          f"--mesh={spec!r} does not parse: write axis:size pairs separated by "
+          "commas, e.g. --mesh=data:4,fsdp:2.")
+    name = name.strip()
+    if name not in MESH_AXES:
+      raise SetupError(f"--mesh={spec!r} names the axis {name!r}; the axes are "
+                       f"{', '.join(MESH_AXES)}.")
+    if name in sizes:
+      raise SetupError(f"--mesh={spec!r} gives the axis {name!r} twice.")
+    sizes[name] = int(size)
+  sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+  if math.prod(sizes.values()) != num_devices:
+    raise SetupError(
+        f"--mesh={spec!r} has {math.prod(sizes.values())} devices but there are "
+        f"{num_devices}; the axis sizes must multiply to the device count.")
+  return sizes
+
+
+def make_mesh(sizes: dict[str, int]) -> Mesh:
+  """A mesh over all devices (of every process), data-major."""
+  shape = tuple(sizes[axis] for axis in MESH_AXES)
+  devices = np.asarray(jax.devices()).reshape(shape)
+  return Mesh(devices, MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows of a batch split over ``data``, replicated over ``fsdp``."""
+  return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def tree_shardings(mesh: Mesh, tree: Any) -> Any:
+  """FSDP shardings of params or optimizer state (shapes are enough)."""
+  specs = st.stacked_partition_specs(tree, mesh, stacked=STACKED)
+  return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A global array from a host array every process holds in full.
+
+  Each process transfers only the slices its own devices hold.
+  """
+  array = np.asarray(array)
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def put_tree(tree: Any, shardings: Any) -> Any:
+  return jax.tree_util.tree_map(put_global, tree, shardings)
+
+
+def to_host(tree: Any) -> Any:
+  """Full numpy copies of (possibly cross-process sharded) arrays.
+
+  A collective in a multi-process run: every process must call it.
+  """
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return multihost_utils.process_allgather(tree, tiled=True)
+  return jax.device_get(tree)
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes of ``tree`` held by one device (the first addressable one)."""
+  device = jax.local_devices()[0]
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      if shard.device == device:
+        total += shard.data.nbytes
+  return total
+
+
+def initialize(coordinator_address: Optional[str], num_processes: int,
+               process_id: Optional[int]) -> None:
+  """Joins a multi-process run (gloo collectives on CPU); checks the flags."""
+  if num_processes == 1:
+    if coordinator_address:
+      raise SetupError("--coordinator_address needs --num_processes > 1.")
+    return
+  if not coordinator_address:
+    raise SetupError(f"--num_processes={num_processes} needs --coordinator_address "
+                     "(host:port of process 0), e.g. --coordinator_address=127.0.0.1:1234.")
+  if process_id is None or not 0 <= process_id < num_processes:
+    raise SetupError(f"--process_id={process_id} must be in 0..{num_processes - 1} "
+                     f"with --num_processes={num_processes}.")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id,
+                             initialization_timeout=120)
