@@ -10,6 +10,7 @@ the stacked Layers axis whole). Several processes join through
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -59,6 +60,19 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
         f"--mesh={spec!r} has {math.prod(sizes.values())} devices but there are "
         f"{num_devices}; the axis sizes must multiply to the device count.")
   return sizes
+
+
+def device_count() -> int:
+  """``jax.device_count()``, quietly: the first call starts the backends, and
+  JAX logs an INFO line for each one that is absent (``libtpu.so`` on a CPU
+  machine), which would precede a flag error's one line on stderr."""
+  logger = logging.getLogger("jax._src.xla_bridge")
+  level = logger.level
+  logger.setLevel(max(level, logging.WARNING))
+  try:
+    return jax.device_count()
+  finally:
+    logger.setLevel(level)
 
 
 def make_mesh(sizes: dict[str, int]) -> Mesh:
@@ -128,7 +142,10 @@ def initialize(coordinator_address: Optional[str], num_processes: int,
   if not coordinator_address:
     raise SetupError(f"--num_processes={num_processes} needs --coordinator_address "
                      "(host:port of process 0), e.g. --coordinator_address=127.0.0.1:1234.")
-  if process_id is None or not 0 <= process_id < num_processes:
+  if process_id is None:
+    raise SetupError(f"--num_processes={num_processes} needs --process_id, this "
+                     f"process's index in 0..{num_processes - 1}.")
+  if not 0 <= process_id < num_processes:
     raise SetupError(f"--process_id={process_id} must be in 0..{num_processes - 1} "
                      f"with --num_processes={num_processes}.")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -207,7 +207,7 @@ def main(argv):
   try:
     distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
-    mesh_sizes = distributed.parse_mesh(_MESH.value, jax.device_count())
+    mesh_sizes = distributed.parse_mesh(_MESH.value, distributed.device_count())
   except distributed.SetupError as e:
     sys.exit(f"error: {e}")
   if _BATCH_SIZE.value % mesh_sizes["data"]:
