@@ -6,9 +6,10 @@ init, every layer from its own key; ``hk.layer_stack`` initialises them in a
 make the next layer's input, which XLA removes as dead code when, as here, no
 parameter depends on the input's values). This script measures, for each
 depth, the seconds of ``jax.jit(model.init)``: trace (``.lower``), compile,
-and run (until the parameters are ready), alternating the two contenders for
-``--repeats`` repeats and keeping each one's fastest (least noisy on a shared
-machine). One untimed init warms JAX up first.
+and run (until the parameters are ready), for ``--repeats`` repeats; each
+repeat sweeps every depth and both contenders in alternating directions, and
+each one's fastest total is kept (least noisy on a shared machine). One
+untimed init warms JAX up first.
 
   python benchmarks/init_time.py               # full run, ~2 min on 2 cores
   python benchmarks/init_time.py --quick       # seconds (the smoke test)
@@ -104,8 +105,8 @@ def draw(payload: dict[str, Any]):
 def build_parser():
   p = common.parser(__doc__)
   p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
-  p.add_argument("--depths", type=common.int_list, default=[4, 16, 64, 256])
-  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--depths", type=common.int_list, default=[4, 16, 64, 256, 1024])
+  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=128, help="gpt only")
@@ -129,15 +130,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   if not args.quick:  # The smoke test only checks that the script runs.
     measure(common.build("stacked", "none", cfg, 2), x)  # warm-up, untimed
   best: dict[tuple[str, int], dict[str, float]] = {}
-  for depth in args.depths:
-    for repeat in range(args.repeats):
+  # Repeats outermost, directions alternating, so that a drift in the
+  # machine's load over the run reaches every depth and contender alike.
+  for repeat in range(args.repeats):
+    for depth in (args.depths if repeat % 2 == 0 else args.depths[::-1]):
       for impl in (IMPLS if repeat % 2 == 0 else IMPLS[::-1]):
         times = measure(common.build(impl, "none", cfg, depth), x)
         common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: " +
                    " ".join(f"{k[:-2]} {times[k]:.2f}s" for k in PHASES))
         if (impl, depth) not in best or times["total_s"] < best[(impl, depth)]["total_s"]:
           best[(impl, depth)] = times
-  rows = [{"impl": impl, "num_layers": depth, **t} for (impl, depth), t in best.items()]
+  rows = [{"impl": impl, "num_layers": depth, **best[(impl, depth)]}
+          for impl in IMPLS for depth in args.depths]
   ratios = {str(d): best[("hk_layer_stack", d)]["total_s"] / best[("stacked", d)]["total_s"]
             for d in args.depths}
   run_ratios = {str(d): best[("hk_layer_stack", d)]["run_s"] / best[("stacked", d)]["run_s"]

@@ -104,6 +104,7 @@ def guide_prediction(rows: list[dict[str, Any]], model: str,
   return {
       "C_bytes_measured": c_bytes,
       "C_bytes_analytic": cfg.carry_bytes,
+      "P_bytes_per_layer": cfg.param_bytes_per_layer,
       "I_bytes_measured": i_bytes,
       "I_over_C": i_bytes / cfg.carry_bytes,
       "slope_none_bytes_per_layer": slope_none,

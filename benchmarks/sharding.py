@@ -20,7 +20,8 @@ Eight virtual devices share this machine's cores: the step times show the
 cost of the collectives and of splitting small matmuls, not a speed-up.
 
   python benchmarks/sharding.py               # full run, ~2 min on 2 cores
-  python benchmarks/sharding.py --quick       # seconds (the smoke test)
+  python benchmarks/sharding.py --quick       # seconds (the smoke test: 2 meshes)
+  python benchmarks/sharding.py --meshes data:8 fsdp:8 --d_model 256
 
 JAX fixes its device count when it starts, so this script puts
 ``--xla_force_host_platform_device_count=8`` into ``XLA_FLAGS`` before it
@@ -67,12 +68,14 @@ from examples.gpt import model as model_lib
 NAME = "sharding"
 MESHES = ("data:8", "data:4,fsdp:2", "data:2,fsdp:4", "fsdp:8")
 QUICK = ["--d_model", "32", "--num_layers", "2", "--num_heads", "2", "--seq_len", "16",
-         "--batch_size", "8", "--rounds", "2", "--steps", "2", "--warmup", "2"]
+         "--batch_size", "8", "--rounds", "2", "--steps", "2", "--warmup", "2",
+         "--meshes", "data:4,fsdp:2", "fsdp:8"]
 
 
 def build_parser():
   p = common.parser(__doc__)
-  p.add_argument("--meshes", type=common.str_list(MESHES), default=list(MESHES))
+  p.add_argument("--meshes", nargs="+", choices=MESHES, default=list(MESHES),
+                 help="meshes over the 8 devices, separated by spaces")
   p.add_argument("--d_model", type=int, default=128)
   p.add_argument("--num_layers", type=int, default=4)
   p.add_argument("--num_heads", type=int, default=4)
@@ -87,38 +90,31 @@ def build_parser():
 
 
 class Setup:
-  """One mesh's compiled train step and its (sharded) state."""
+  """One mesh's compiled train step and its (sharded) state.
 
-  def __init__(self, mesh_spec: Optional[str], model, optimizer, tokens: np.ndarray,
-               key: jax.Array):
+  Every mesh starts from the same host copy of the initial state, placed with
+  the shardings ``train.py`` uses; ``mesh_spec=None`` is the one-device
+  reference, without shardings.
+  """
+
+  def __init__(self, mesh_spec: Optional[str], train_step, state: tuple, tokens: np.ndarray):
     self.spec = mesh_spec
-    if mesh_spec is None:  # the one-device reference: no shardings at all
-      self.mesh = None
-      self.batch = jax.device_put(tokens, jax.devices()[0])
-      jit_init = jax.jit(model.init)
-      jit_opt = jax.jit(optimizer.init)
-    else:
-      self.mesh = distributed.make_mesh(distributed.parse_mesh(mesh_spec, jax.device_count()))
-      param_shapes = jax.eval_shape(model.init, key, tokens)
-      param_shardings = distributed.tree_shardings(self.mesh, param_shapes)
-      opt_shardings = distributed.tree_shardings(
-          self.mesh, jax.eval_shape(optimizer.init, param_shapes))
-      batch_sharding = distributed.batch_sharding(self.mesh)
-      replicated = distributed.replicated(self.mesh)
-      self.batch = distributed.put_global(tokens, batch_sharding)
-      jit_init = jax.jit(model.init, out_shardings=param_shardings)
-      jit_opt = jax.jit(optimizer.init, out_shardings=opt_shardings)
-    self.params = jit_init(key, tokens)
-    self.opt_state = jit_opt(self.params)
-
-    def train_step(params, opt_state, tokens):
-      (loss, _), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
+    params, opt_state = state
     if mesh_spec is None:
+      self.mesh = None
+      device = jax.devices()[0]
+      self.params, self.opt_state, self.batch = jax.device_put((params, opt_state, tokens),
+                                                               device)
       step = jax.jit(train_step)
     else:
+      self.mesh = distributed.make_mesh(distributed.parse_mesh(mesh_spec, jax.device_count()))
+      param_shardings = distributed.tree_shardings(self.mesh, params)
+      opt_shardings = distributed.tree_shardings(self.mesh, opt_state)
+      batch_sharding = distributed.batch_sharding(self.mesh)
+      replicated = distributed.replicated(self.mesh)
+      self.params = distributed.put_tree(params, param_shardings)
+      self.opt_state = distributed.put_tree(opt_state, opt_shardings)
+      self.batch = distributed.put_global(tokens, batch_sharding)
       step = jax.jit(train_step,
                      in_shardings=(param_shardings, opt_shardings, batch_sharding),
                      out_shardings=(param_shardings, opt_shardings, replicated))
@@ -226,9 +222,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       optax.warmup_cosine_decay_schedule(0.0, 2e-3, 2, 1000, 2e-4), weight_decay=0.01))
   tokens = np.random.default_rng(0).integers(
       0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1)).astype(np.int32)
-  key = jax.random.PRNGKey(0)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
+  state = jax.device_get((params, jax.jit(optimizer.init)(params)))
 
-  reference = Setup(None, model, optimizer, tokens, key)
+  def train_step(params, opt_state, tokens):
+    (loss, _), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  reference = Setup(None, train_step, state, tokens)
   reference.run(args.warmup)
   reference_loss = float(reference.loss)
   totals = {"params": total_bytes(reference.params),
@@ -241,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
   setups = []
   for spec in args.meshes:
-    setup = Setup(spec, model, optimizer, tokens, key)
+    setup = Setup(spec, train_step, state, tokens)
     setup.run(args.warmup)  # the same steps as the reference
     setup.warm_loss = float(setup.loss)
     setups.append(setup)

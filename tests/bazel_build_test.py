@@ -5,7 +5,8 @@ it with Python stand-ins for `glob()` (Bazel's pattern rules, over this tree)
 and for the rules it calls, and then checks the targets it declares against the
 files on disk: each ``stacktools/*.py`` module is in ``//:stacktools``, each
 ``tests/*_test.py`` has its own ``py_test`` run by the shared pytest runner,
-the GPT example is built, and nothing named in BUILD is missing.
+the GPT example is built, a test that imports another test module has that
+file under Bazel too, and nothing named in BUILD is missing.
 
 Under ``bazel test`` the tree it sees is the test's runfiles, which hold BUILD
 and every test file (see ``_TEST_DATA`` in BUILD); under pytest, the checkout.
@@ -164,6 +165,38 @@ def test_every_file_named_in_build_exists(rules):
         if label.startswith((":", "//", "@")):
           continue
         assert label in files, f":{name} {attr} names {label}, which is missing"
+
+
+_IMPORT_TEST_MODULE = re.compile(r"\bimport\s+(\w+_test)\b|\bfrom\s+(\w+_test)\s+import\b")
+
+
+def _imported_test_files(test_file):
+  """The tests/*_test.py files that `test_file` imports, directly or not."""
+  found, todo = set(), [test_file]
+  while todo:
+    with open(os.path.join(ROOT, todo.pop()), encoding="utf-8") as f:
+      text = f.read()
+    for match in _IMPORT_TEST_MODULE.finditer(text):
+      path = "tests/%s.py" % (match.group(1) or match.group(2))
+      if path != test_file and path not in found and os.path.exists(
+          os.path.join(ROOT, path)):
+        found.add(path)
+        todo.append(path)
+  return found
+
+
+def test_test_files_imported_by_other_tests_are_in_their_runfiles(rules):
+  # Under Bazel a test sees only its own file, its deps and its data; pytest
+  # sees the whole tree. A test that imports another test module must list it.
+  for name, r in rules.items():
+    if r.kind != "py_test":
+      continue
+    have = set(r.attrs.get("srcs", [])) | set(r.attrs.get("data", []))
+    for test_file in [s for s in r.attrs.get("srcs", []) if s.startswith("tests/")]:
+      missing = sorted(_imported_test_files(test_file) - have)
+      assert not missing, (
+          f"{test_file} imports {missing}, which :{name} does not have under "
+          f"Bazel: add them to _TEST_DATA[{test_file!r}] in BUILD")
 
 
 def test_per_test_settings_name_existing_tests(build):

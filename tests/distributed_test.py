@@ -7,13 +7,16 @@ first test asks for them, while the cheap tests run:
 
 * three single-process drivers (``gpt_test.drive``: ``train.main`` in-process
   under absl's flagsaver, XLA's cheap LLVM settings, a private compilation
-  cache) on 1 device (the reference), on 4 devices (``data:2,fsdp:2``: the
+  cache) on 1 device (the reference), on 4 devices (``data:2,fsdp:2``, the
   reference of the two-process runs) and on 8 devices (meshes ``data:8``,
-  ``data:4,fsdp:2`` and ``fsdp:8``, one driver);
-* pairs of ``train.py`` processes joined through ``jax.distributed`` (gloo)
-  on 127.0.0.1, 2 devices each, ``--mesh=data:2,fsdp:2``: 10 steps straight
-  (process 1 given a workdir of its own, which must stay unwritten), and 5
-  steps then ``--resume`` to 10 in one shared workdir.
+  ``data:4,fsdp:2`` and ``fsdp:8``);
+* a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
+  on 127.0.0.1, 2 devices each, ``--mesh=data:2,fsdp:2``, for 5 steps (process
+  1 given a workdir of its own, which must stay unwritten), then a second
+  pair that resumes from process 0's checkpoint to step 10 in one shared
+  workdir. (JAX's persistent cache cannot shorten these: process 1's cache
+  keys differ from process 0's, and only process 0 writes entries.);
+* ``benchmarks/sharding.py --quick``.
 
 What is checked, against numbers:
 
@@ -22,12 +25,14 @@ What is checked, against numbers:
 * parameters and optimizer state really are sharded: the logged per-device
   bytes are the checkpoint's total over the fsdp size (a few replicated
   leaves, like the 25-entry output bias, cost a few percent more);
-* two processes with 2 devices each equal one process with 4 devices; only
-  process 0 writes, and only checkpoint.npz and metrics.jsonl (no temp
-  files); stop at 5 + resume equals the straight two-process run bitwise;
+* two processes with 2 devices each, stopped at step 5 and resumed, train
+  to the losses, parameters and optimizer state of one process with 4
+  devices; only process 0 writes, and only checkpoint.npz and metrics.jsonl
+  (no temp files);
 * bad meshes, batch sizes and process flags: one ``error:`` line, no
   traceback, non-zero exit, nothing written;
-* ``benchmarks/sharding.py --quick`` runs and reports sharded bytes.
+* the benchmark's quick run: per-device bytes of each mesh are the total
+  over its fsdp size, and its losses equal one device's.
 """
 
 import json
@@ -38,11 +43,13 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Optional
 
 import numpy as np
 import pytest
 
 import gpt_test as gpt
+from benchmarks import common
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
@@ -52,6 +59,7 @@ STEPS, STOP = 10, 5
 TINY = {**gpt.TINY, "steps": STEPS, "batch_size": 8}
 MESHES_8 = ("data:8", "data:4,fsdp:2", "fsdp:8")
 MESH_MP = "data:2,fsdp:2"
+BENCHMARK_QUICK_MESHES = ("data:4,fsdp:2", "fsdp:8")
 RTOL = 2e-5  # float32 losses and parameters after 10 steps, reductions reordered
 
 
@@ -101,8 +109,12 @@ class Runs:
     self.driver(1, [("one", {})])
     self.driver(4, [("four", {"mesh": MESH_MP})])
     self.driver(8, [(mesh, {"mesh": mesh}) for mesh in MESHES_8])
-    self.straight = self.pair("mp_straight", {}, own_workdir_for_1=True)
-    self.stopped = self.pair("mp_resume", {"stop_after": STOP})
+    self.benchmark = start(
+        [sys.executable, BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
+        {**os.environ, "XLA_FLAGS": gpt.FAST_XLA}, os.path.join(tmp, "bench.log"))
+    self.procs.append(self.benchmark)
+    # Process 1 gets a workdir of its own, which it must leave unwritten.
+    self.stopped = self.pair({"stop_after": STOP}, workdir_1=self.workdir("mp_process1"))
     self.resumed = None
     self.after_stop = None
     self.error = None
@@ -129,46 +141,47 @@ class Runs:
     self.procs.append(proc)
     self.drivers[devices] = (proc, out_path)
 
-  def pair(self, name: str, extra: dict, own_workdir_for_1: bool = False,
-           resume: bool = False) -> list[subprocess.Popen]:
-    """Processes 0 and 1 of a two-process run with 2 devices each."""
+  def pair(self, extra: dict, workdir_1: Optional[str] = None) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
     port = free_port()
     procs = []
     for i in range(2):
-      workdir = self.workdir(name + ("_process1" if i and own_workdir_for_1 else ""))
-      flags = self.flags(name, **extra, mesh=MESH_MP, num_processes=2, process_id=i,
-                         coordinator_address=f"127.0.0.1:{port}", workdir=workdir)
-      if resume:
-        flags["resume"] = True
-      # The pairs share a compilation cache: the resumed pair finds its programs.
-      env = xla_env(2, JAX_COMPILATION_CACHE_DIR=os.path.join(self.tmp, "jax_cache_mp"),
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-      log = os.path.join(self.tmp, f"{name}{'_resume' if resume else ''}_process{i}.log")
-      procs.append(start([sys.executable, TRAIN, *gpt.as_args(flags)], env, log))
+      flags = self.flags("mp", **extra, mesh=MESH_MP, num_processes=2, process_id=i,
+                         coordinator_address=f"127.0.0.1:{port}")
+      if i == 1 and workdir_1:
+        flags["workdir"] = workdir_1
+      log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
+      procs.append(start([sys.executable, TRAIN, *gpt.as_args(flags)], xla_env(2), log))
     self.procs.extend(procs)
     return procs
 
   def _resume_when_stopped(self) -> None:
     try:
       logs = [wait(p) for p in self.stopped]
-      workdir = self.workdir("mp_resume")
+      workdir = self.workdir("mp")
       self.after_stop = {"logs": logs, "listing": gpt.listing(workdir),
-                         "steps": [r["step"] for r in gpt.read_metrics(workdir)]}
-      self.resumed = self.pair("mp_resume", {}, resume=True)
+                         "records": gpt.read_metrics(workdir),
+                         "checkpoint": gpt.load_checkpoint(workdir)}
+      self.resumed = self.pair({"resume": True})
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
-  def driver_run(self, devices: int, name: str) -> dict:
-    """A driver's run (its log), after checking that it raised nothing."""
+  def driver_runs(self, devices: int, name: str) -> list[dict]:
+    """A driver's runs of that name (their logs), after checking they raised nothing."""
     proc, out_path = self.drivers[devices]
     wait(proc)
     with open(out_path, encoding="utf-8") as f:
-      runs = {run["name"]: run for run in json.load(f)["runs"]}
-    assert runs[name]["error"] is None, f"{name} failed:\n{runs[name]['error']}"
-    return runs[name]
+      runs = [run for run in json.load(f)["runs"] if run["name"] == name]
+    assert runs, name
+    for run in runs:
+      assert run["error"] is None, f"{name} failed:\n{run['error']}"
+    return runs
 
-  def resume_logs(self) -> list[str]:
+  def driver_run(self, devices: int, name: str) -> dict:
+    return self.driver_runs(devices, name)[-1]
+
+  def two_process_logs(self) -> list[str]:
+    """The resumed pair's logs, once it finished (the stopped pair's are in after_stop)."""
     self.thread.join(timeout=600)
     if self.error is not None:
       raise self.error
@@ -213,10 +226,26 @@ def fsdp_size(mesh: str) -> int:
   return int(sizes.get("fsdp", 1))
 
 
+def without_key_bias(key: str, array: np.ndarray) -> np.ndarray:
+  """Drops the key projection's bias from the fused qkv bias (and its moments).
+
+  Adding a constant to every key shifts all of a query's scores alike, which
+  softmax ignores: that bias's gradient is zero up to rounding noise, which
+  Adam's normalisation turns into full-size steps of arbitrary sign. Its
+  values differ between any two reduction orders and affect no output.
+  """
+  if "['h/block/attn/qkv']['b']" in key:
+    d = TINY["d_model"]
+    return np.delete(array, np.s_[d:2 * d], axis=-1)
+  return array
+
+
 def assert_trees_close(actual: dict, expected: dict, rtol: float = RTOL) -> None:
   assert sorted(actual) == sorted(expected)
   for key in expected:
-    np.testing.assert_allclose(actual[key], expected[key], rtol=rtol, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(without_key_bias(key, actual[key]),
+                               without_key_bias(key, expected[key]),
+                               rtol=rtol, atol=1e-6, err_msg=key)
 
 
 # ---------------------------------------------------------------------------
@@ -228,7 +257,6 @@ def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
       ("unparsable", 8, {"mesh": "data4"}, ["--mesh='data4'", "does not parse", "data:4,fsdp:2"]),
       ("unknown_axis", 8, {"mesh": "data:4,model:2"}, ["'model'", "data, fsdp"]),
       ("wrong_count", 8, {"mesh": "data:4,fsdp:4"}, ["16 devices", "there are 8"]),
-      ("too_many_for_one", 1, {"mesh": "data:2"}, ["2 devices", "there are 1"]),
       ("batch", 8, {"mesh": "data:8", "batch_size": 12},
        ["--batch_size=12", "data axis (8)"]),
       ("no_coordinator", 2, {"num_processes": 2, "process_id": 0},
@@ -238,8 +266,6 @@ def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
        ["--process_id=2", "0..1"]),
       ("no_process_id", 2, {"num_processes": 2, "coordinator_address": "127.0.0.1:1"},
        ["--process_id", "0..1"]),
-      ("coordinator_alone", 2, {"coordinator_address": "127.0.0.1:1"},
-       ["--coordinator_address", "--num_processes"]),
   ]
   corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
   started = []
@@ -308,60 +334,59 @@ def test_params_and_optimizer_state_are_sharded(runs, mesh):
 
 
 def test_two_processes_equal_one_process_with_four_devices(runs):
-  logs = [wait(p) for p in runs.straight]
+  resumed_logs = runs.two_process_logs()
+  after_stop = runs.after_stop
   runs.driver_run(4, "four")
-  for i, log in enumerate(logs):
-    assert f"mesh {{'data': 2, 'fsdp': 2}} over 4 devices in 2 processes" in log, i
-  workdir, four = runs.workdir("mp_straight"), runs.workdir("four")
+  four = runs.workdir("four")
+  for log in after_stop["logs"] + resumed_logs:
+    assert "mesh {'data': 2, 'fsdp': 2} over 4 devices in 2 processes" in log
+  # Steps 1-5, trained by two processes: the 4-device losses; one writer.
+  stopped = after_stop["records"]
+  assert [r["step"] for r in stopped] == list(range(1, STOP + 1))
+  np.testing.assert_allclose([r["train_loss"] for r in stopped],
+                             gpt.train_losses(four)[:STOP], rtol=RTOL)
+  assert json.loads(str(after_stop["checkpoint"]["__meta__"]))["step"] == STOP
+  # Steps 6-10, resumed by two processes: the same losses, parameters and
+  # optimizer state as 10 straight steps of one process.
+  workdir = runs.workdir("mp")
   records = gpt.read_metrics(workdir)
-  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # one writer
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   np.testing.assert_allclose(gpt.train_losses(workdir), gpt.train_losses(four), rtol=RTOL)
   np.testing.assert_allclose(records[-1]["valid_loss"],
                              gpt.read_metrics(four)[-1]["valid_loss"], rtol=RTOL)
   assert_trees_close(param_arrays(workdir), param_arrays(four))
   assert_trees_close(param_arrays(workdir, "opt_state"), param_arrays(four, "opt_state"))
-  meta = json.loads(str(gpt.load_checkpoint(workdir)["__meta__"]))
-  assert meta["step"] == STEPS
-  # Both processes saw the same validation loss; only process 0 wrote.
-  finals = [re.findall(r"Final validation loss ([\d.]+)", log) for log in logs]
+  assert json.loads(str(gpt.load_checkpoint(workdir)["__meta__"]))["step"] == STEPS
+  # Both processes evaluated the same loss.
+  finals = [re.findall(r"Final validation loss ([\d.]+)", log) for log in resumed_logs]
   assert finals[0] and finals[0] == finals[1], finals
-  gpt.assert_only_outputs(workdir)
-  assert not os.path.exists(runs.workdir("mp_straight_process1"))
 
 
-def test_two_process_resume_equals_the_straight_run(runs):
-  logs = runs.resume_logs()
+def test_only_process_0_writes_and_resume_continues(runs):
+  resumed_logs = runs.two_process_logs()
   after_stop = runs.after_stop
+  # Process 0 wrote its outputs and no temporary files; process 1, given a
+  # workdir of its own for the first run, wrote nothing there.
   assert after_stop["listing"] - {"loss.png"} == gpt.WORKDIR_FILES, after_stop["listing"]
-  assert after_stop["steps"] == list(range(1, STOP + 1))
-  for log in logs:
-    assert f"Resumed from step {STOP}." in log
+  assert not os.path.exists(runs.workdir("mp_process1"))
+  gpt.assert_only_outputs(runs.workdir("mp"))
   for log in after_stop["logs"]:
     assert "Resumed" not in log
-  [wait(p) for p in runs.straight]  # pylint: disable=expression-not-assigned
-  straight = gpt.load_checkpoint(runs.workdir("mp_straight"))
-  resumed = gpt.load_checkpoint(runs.workdir("mp_resume"))
-  assert sorted(straight) == sorted(resumed)
-  for key in straight:
-    assert np.array_equal(straight[key], resumed[key]), key
-  np.testing.assert_array_equal(gpt.train_losses(runs.workdir("mp_resume")),
-                                gpt.train_losses(runs.workdir("mp_straight")))
-  gpt.assert_only_outputs(runs.workdir("mp_resume"))
+  for log in resumed_logs:  # both read process 0's checkpoint
+    assert f"Resumed from step {STOP}." in log
 
 
 # ---------------------------------------------------------------------------
 # The benchmark's smoke test.
 
 
-def test_sharding_benchmark_quick(tmp_path):
-  proc = subprocess.run([sys.executable, BENCHMARK, "--quick", "--results_dir", str(tmp_path)],
-                        cwd=REPO, env={**os.environ, "XLA_FLAGS": gpt.FAST_XLA},
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  result = json.loads((tmp_path / "sharding.json").read_text())
+def test_sharding_benchmark_quick(runs):
+  output = wait(runs.benchmark)
+  results = runs.workdir("bench")
+  result = json.loads(open(os.path.join(results, "sharding.json"), encoding="utf-8").read())
   assert result["benchmark"] == "sharding" and result["quick"] is True
   rows = {row["mesh"]: row for row in result["meshes"]}
-  assert set(rows) == {"data:8", "data:4,fsdp:2", "data:2,fsdp:4", "fsdp:8"}
+  assert set(rows) == set(BENCHMARK_QUICK_MESHES), rows
   total = result["total_bytes"]
   for mesh, row in rows.items():
     for key in ("param_bytes_per_device", "opt_bytes_per_device", "temp_bytes",
@@ -373,6 +398,7 @@ def test_sharding_benchmark_quick(tmp_path):
     assert row["loss_rel_diff"] < 1e-5, row
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
-    assert (tmp_path / "sharding.png").stat().st_size > 0
+    assert os.path.getsize(os.path.join(results, "sharding.png")) > 0
   except ImportError:
-    assert not (tmp_path / "sharding.png").exists()
+    assert common.NO_MATPLOTLIB in output
+    assert not os.path.exists(os.path.join(results, "sharding.png"))
