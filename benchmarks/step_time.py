@@ -259,7 +259,7 @@ def build_parser():
   p.add_argument("--save_name", default="mlp_hidden")
   p.add_argument("--warmup_rounds", type=int, default=1,
                  help="untimed rounds before the timed ones")
-  p.add_argument("--rounds", type=int, default=61)
+  p.add_argument("--rounds", type=int, default=51)
   p.add_argument("--steps", type=int, default=1, help="steps per contender per round")
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--batch", type=int, default=8)
