@@ -125,8 +125,8 @@ def test_init_time_as_a_script_without_matplotlib(tmp_path):
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   assert common.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
-  assert not (results / "init_time.png").exists()
-  result = json.loads((results / "init_time.json").read_text())
+  assert not (results / f"{init_time.NAME}.png").exists()
+  result = json.loads((results / f"{init_time.NAME}.json").read_text())
   assert COMMON_KEYS <= set(result)
   assert {r["impl"] for r in result["measurements"]} == {"stacked", "hk_layer_stack"}
   for row in result["measurements"]:
