@@ -118,9 +118,10 @@ class CheckpointPolicy:
     y = st.fold(block, remat=policy)(x, params)
 
   Attributes:
-    save_carries: keep each step's carry on device (``True``), in host memory
-      (``"offload"``), or recompute it when it can be (``False``; in a
-      one-level loop the carry is the step's input and is kept anyway).
+    save_carries: keep each step's carry on device (``True``) or in host
+      memory (``"offload"``). The carry is the step's input, needed to
+      recompute anything, so ``False`` keeps it too; in a nested loop only the
+      outer carries are kept either way.
     save_inputs: likewise for each step's slice of ``xs``. A step's slice is
       one of its inputs and is read from ``xs`` in the backward pass at no
       cost, so ``True`` and ``False`` keep the same; ``"offload"`` moves a
@@ -250,12 +251,12 @@ class CheckpointPolicy:
       return cp.everything_saveable
     save = list(self.save_block_internals or ())
     offload = list(self.offload_block_internals)
+    # Carries and inputs are inputs of the step, kept without being named;
+    # only offloading them needs their names.
     for option, name in ((self.save_carries, CARRY_NAME),
                          (self.save_inputs, INPUT_NAME)):
       if option == "offload":
         offload.append(name)
-      elif option:
-        save.append(name)
     if offload:
       return cp.save_and_offload_only_these_names(
           names_which_can_be_saved=save,
@@ -267,9 +268,9 @@ class CheckpointPolicy:
   def checkpoint_step(self, step: Callable[..., T]) -> Callable[..., T]:
     """Wraps one loop step ``step(carry, x)`` in ``jax.checkpoint``.
 
-    The carry is tagged with :data:`CARRY_NAME` before ``step`` sees it (and
-    ``x`` with :data:`INPUT_NAME` when inputs are offloaded), so that the
-    policy's ``save_carries`` and ``save_inputs`` can refer to them.
+    When carries or inputs are offloaded, they are tagged with
+    :data:`CARRY_NAME` or :data:`INPUT_NAME` before ``step`` sees them, so
+    that the offloading policy can refer to them.
 
     Args:
       step: ``step(carry, x) -> out``.
@@ -286,9 +287,11 @@ class CheckpointPolicy:
     # copy would double the memory of xs, so it is tagged only to offload it.
     tag_inputs = self.save_inputs == "offload"
 
-    # Likewise a policy that saves everything needs no names, and a named copy
-    # of the carry would only add a buffer.
-    tag_carry = self.save_block_internals is not True
+    # The carry too is an input of the step, kept in the backward pass
+    # whatever the policy; a named copy would only add a buffer (and the
+    # reduce-precision ops JAX puts on saved values), so it too is tagged
+    # only to offload it.
+    tag_carry = self.save_carries == "offload"
 
     def named_step(carry, x):
       if tag_inputs:
