@@ -1,1 +1,1 @@
-"""Benchmarks of stacktools: one script per question; see README_SECTION.md."""
+"""Benchmarks of stacktools: one script per question; the README shows the results."""
