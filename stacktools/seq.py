@@ -81,17 +81,7 @@ class BlockSeq(hk.Module):
                *, remat: policy_lib.RematSpec = False, unroll: Union[int, bool] = 1,
                reverse: bool = False, name: Optional[str] = None):
     super().__init__(name=name)
-    if not callable(make_block):
-      raise TypeError(
-          "BlockSeq needs make_block, a callable that returns the block (e.g. "
-          f"lambda: Block(cfg)), got {make_block!r}.")
-    self.make_block = make_block
-    self.num_layers = stack_lib.check_num_layers(num_layers, "BlockSeq")
-    self.policy = policy_lib.CheckpointPolicy.from_remat(remat)
-    if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
-      raise ValueError(f"BlockSeq: unroll={unroll!r} must be an int >= 1 or True.")
-    self.unroll = unroll
-    self.reverse = reverse
+    stack_lib.configure_stack(self, make_block, num_layers, remat, unroll, reverse)
 
   def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
     """Applies every block to ``x``; see :meth:`Stacked.fold`."""

@@ -170,6 +170,23 @@ def check_num_layers(num_layers: Any, owner: str) -> int:
   return num_layers
 
 
+def configure_stack(module: hk.Module, make_block: Any, num_layers: Any,
+                    remat: policy_lib.RematSpec, unroll: Any, reverse: bool) -> None:
+  """Checks a Stacked/BlockSeq constructor's arguments and stores them."""
+  owner = type(module).__name__
+  if not callable(make_block):
+    raise TypeError(
+        f"{owner} needs make_block, a callable that returns the block (e.g. "
+        f"lambda: Block(cfg)), got {make_block!r}.")
+  if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
+    raise ValueError(f"{owner}: unroll={unroll!r} must be an int >= 1 or True.")
+  module.make_block = make_block
+  module.num_layers = check_num_layers(num_layers, owner)
+  module.policy = policy_lib.CheckpointPolicy.from_remat(remat)
+  module.unroll = unroll
+  module.reverse = reverse
+
+
 def split_block_output(out: Any, x: Any, kind: str, owner: str) -> tuple[Any, Any]:
   """``(new_x, y)`` from a block's output, checked against the fold/scan kind."""
   x_tree = jax.tree_util.tree_structure(x)
@@ -294,18 +311,7 @@ class Stacked(hk.Module):
                *, remat: policy_lib.RematSpec = False, unroll: Union[int, bool] = 1,
                reverse: bool = False, name: Optional[str] = None):
     super().__init__(name=name)
-    if not callable(make_block):
-      raise TypeError(
-          f"{type(self).__name__} needs make_block, a callable that returns the "
-          f"block (e.g. lambda: Block(cfg)), got {make_block!r}.")
-    self.make_block = make_block
-    self.num_layers = check_num_layers(num_layers, type(self).__name__)
-    self.policy = policy_lib.CheckpointPolicy.from_remat(remat)
-    if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
-      raise ValueError(f"{type(self).__name__}: unroll={unroll!r} must be an int "
-                       ">= 1 or True.")
-    self.unroll = unroll
-    self.reverse = reverse
+    configure_stack(self, make_block, num_layers, remat, unroll, reverse)
 
   def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
     """Applies every layer to the carry ``x``; the block returns the new ``x``.
