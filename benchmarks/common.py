@@ -440,6 +440,37 @@ def parser(doc: Optional[str]) -> argparse.ArgumentParser:
   return p
 
 
+def parse_args(build_parser: Callable[[], argparse.ArgumentParser],
+               quick_args: Sequence[str],
+               argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  """Parses ``argv``; with ``--quick``, the quick sizes come first, so flags
+  given on the command line still win."""
+  args = build_parser().parse_args(argv)
+  if args.quick:
+    given = list(argv if argv is not None else sys.argv[1:])
+    args = build_parser().parse_args(list(quick_args) + given)
+  return args
+
+
+def model_config(args: argparse.Namespace) -> "ModelConfig":
+  """The ModelConfig of the flags --model --width --batch --seq_len --heads."""
+  gpt = args.model == "gpt"
+  return ModelConfig(args.model, width=args.width, batch=args.batch,
+                     seq_len=args.seq_len if gpt else 1, heads=args.heads if gpt else 1)
+
+
+def publish(args: argparse.Namespace, name: str, payload: dict[str, Any],
+            markdown: Callable[[dict[str, Any]], str],
+            draw: Callable[[dict[str, Any]], Callable[[Any], Any]]) -> dict[str, Any]:
+  """Prints the results table, writes the JSON and (unless --no_plot) the PNG."""
+  payload["markdown"] = markdown(payload)
+  print(payload["markdown"])
+  write_json(args.results_dir, name, payload)
+  if not args.no_plot:
+    save_plot(args.results_dir, name, draw(payload))
+  return payload
+
+
 def int_list(text: str) -> list[int]:
   """``"4,8,16"`` -> ``[4, 8, 16]`` (an argparse ``type``)."""
   try:

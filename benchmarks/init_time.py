@@ -129,12 +129,8 @@ QUICK = ["--depths", "2", "--repeats", "1", "--width", "16", "--batch", "2",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = build_parser().parse_args(argv)
-  if args.quick:
-    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
-  cfg = common.ModelConfig(args.model, width=args.width, batch=args.batch,
-                           seq_len=args.seq_len if args.model == "gpt" else 1,
-                           heads=args.heads if args.model == "gpt" else 1)
+  args = common.parse_args(build_parser, QUICK, argv)
+  cfg = common.model_config(args)
   x = common.example_input(cfg)
   start = time.perf_counter()
   if not args.quick:  # The smoke test only checks that the script runs.
@@ -173,12 +169,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   "deepest": max(args.depths)},
       "seconds": time.perf_counter() - start,
   }
-  payload["markdown"] = markdown(payload)
-  print(payload["markdown"])
-  common.write_json(args.results_dir, NAME, payload)
-  if not args.no_plot:
-    common.save_plot(args.results_dir, NAME, draw(payload))
-  return payload
+  return common.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

@@ -312,9 +312,7 @@ QUICK = ["--models", "gpt", "--depths", "1,2", "--policies", "none,full",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = build_parser().parse_args(argv)
-  if args.quick:
-    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
+  args = common.parse_args(build_parser, QUICK, argv)
   cfgs = configs(args)
   start = time.perf_counter()
   options, options_check = compiler_options(args, cfgs)
@@ -348,12 +346,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "summary": summarise(rows, list(cfgs)),
       "seconds": time.perf_counter() - start,
   }
-  payload["markdown"] = markdown(payload)
-  print(payload["markdown"])
-  common.write_json(args.results_dir, NAME, payload)
-  if not args.no_plot:
-    common.save_plot(args.results_dir, NAME, draw(payload))
-  return payload
+  return common.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

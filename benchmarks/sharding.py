@@ -207,9 +207,7 @@ def draw(payload: dict[str, Any]):
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = build_parser().parse_args(argv)
-  if args.quick:
-    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
+  args = common.parse_args(build_parser, QUICK, argv)
   if jax.device_count() < NUM_DEVICES:
     raise SystemExit(
         f"error: benchmarks/sharding.py needs {NUM_DEVICES} devices and JAX has "
@@ -296,12 +294,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   for r in rows},
       "seconds": time.perf_counter() - start,
   }
-  payload["markdown"] = markdown(payload)
-  print(payload["markdown"])
-  common.write_json(args.results_dir, NAME, payload)
-  if not args.no_plot:
-    common.save_plot(args.results_dir, NAME, draw(payload))
-  return payload
+  return common.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

@@ -285,12 +285,8 @@ QUICK = ["--model", "mlp", "--num_layers", "4", "--policies", "none,full",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = build_parser().parse_args(argv)
-  if args.quick:
-    args = build_parser().parse_args(QUICK + list(argv if argv is not None else sys.argv[1:]))
-  cfg = common.ModelConfig(args.model, width=args.width, batch=args.batch,
-                           seq_len=args.seq_len if args.model == "gpt" else 1,
-                           heads=args.heads if args.model == "gpt" else 1)
+  args = common.parse_args(build_parser, QUICK, argv)
+  cfg = common.model_config(args)
   x = common.example_input(cfg)
   start = time.perf_counter()
   ready = {}
@@ -361,12 +357,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "noise_floor": res["noise_floor"],
         "identical_programs": {k: e["median"] for k, e in res["identical_programs"].items()},
     }
-  payload["markdown"] = markdown(payload)
-  print(payload["markdown"])
-  common.write_json(args.results_dir, NAME, payload)
-  if not args.no_plot:
-    common.save_plot(args.results_dir, NAME, draw(payload))
-  return payload
+  return common.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

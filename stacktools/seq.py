@@ -34,7 +34,7 @@ class _Layer(hk.Module):
 
   def __call__(self, inner, x, sliced, *, index, init_key, rng, kind, policy, owner):
     def init(key, x, sliced):
-      with stack_lib._at_layer(index):  # pylint: disable=protected-access
+      with stack_lib.at_layer(index):
         return inner.init(key, x, sliced)
 
     params_and_state, updater = hk.transparent_lift_with_state(
@@ -43,7 +43,7 @@ class _Layer(hk.Module):
 
     def step(carry, layer):
       layer_params, layer_state, layer_rng, layer_sliced = layer
-      with stack_lib._at_layer(index):  # pylint: disable=protected-access
+      with stack_lib.at_layer(index):
         out, new_state = inner.apply(layer_params, layer_state, layer_rng,
                                      carry, layer_sliced)
       new_carry, y = stack_lib.split_block_output(out, carry, kind, owner)
@@ -98,7 +98,7 @@ class BlockSeq(hk.Module):
       raise TypeError(f"BlockSeq.{kind}: the carry x cannot be per_layer; only "
                       "the arguments after it can be.")
     n = self.num_layers
-    arguments = stack_lib._Arguments(args, kwargs, n, "BlockSeq")  # pylint: disable=protected-access
+    arguments = stack_lib.BlockArguments(args, kwargs, n, "BlockSeq")
 
     def block_call(x, *a, **k):
       return self.make_block()(x, *a, **k)

@@ -77,7 +77,8 @@ def _index_stack() -> list[jax.Array]:
 
 
 @contextlib.contextmanager
-def _at_layer(index: jax.Array) -> Iterator[None]:
+def at_layer(index: jax.Array) -> Iterator[None]:
+  """Makes ``index`` what :func:`layer_index` returns inside the block."""
   stack = _index_stack()
   stack.append(index)
   try:
@@ -118,7 +119,7 @@ def layer_index() -> jax.Array:
 # One call of a stack: which arguments are broadcast, which sliced.
 
 
-class _Arguments:
+class BlockArguments:
   """Splits a call's arguments into broadcast ones and per-layer ones."""
 
   def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -222,7 +223,7 @@ def _describe(value: Any) -> str:
 
 
 def make_inner(block_call: Callable[..., Any],
-               arguments: _Arguments) -> hk.TransformedWithState:
+               arguments: BlockArguments) -> hk.TransformedWithState:
   """The inner transform: one layer, ``(x, sliced) -> block output``."""
 
   def one_layer(x, sliced):
@@ -238,7 +239,7 @@ def layer_keys(num_layers: int) -> Optional[jax.Array]:
   return None if key is None else jax.random.split(key, num_layers)
 
 
-def _run_stack(block_call: Callable[..., Any], x: PyTree, arguments: _Arguments, *,
+def _run_stack(block_call: Callable[..., Any], x: PyTree, arguments: BlockArguments, *,
                num_layers: int, kind: str, policy: policy_lib.CheckpointPolicy,
                unroll: Union[int, bool], reverse: bool,
                owner: str) -> tuple[PyTree, PyTree]:
@@ -253,7 +254,7 @@ def _run_stack(block_call: Callable[..., Any], x: PyTree, arguments: _Arguments,
 
   def init_all_layers(keys, x, sliced):
     def init_one(key, layer_sliced, index):
-      with _at_layer(index):
+      with at_layer(index):
         return inner.init(key, x, layer_sliced)
     return jax.vmap(init_one, in_axes=(None if keys is None else 0, 0, 0),
                     axis_size=num_layers)(
@@ -265,7 +266,7 @@ def _run_stack(block_call: Callable[..., Any], x: PyTree, arguments: _Arguments,
 
   def body(carry, layer):
     layer_params, layer_state, rng, sliced, index = layer
-    with _at_layer(index):
+    with at_layer(index):
       out, new_state = inner.apply(layer_params, layer_state, rng, carry, sliced)
     new_carry, y = split_block_output(out, carry, kind, owner)
     return new_carry, (y, new_state)
@@ -350,7 +351,7 @@ class Stacked(hk.Module):
     if isinstance(x, PerLayer):
       raise TypeError(f"{owner}.{kind}: the carry x cannot be per_layer; only "
                       "the arguments after it can be.")
-    arguments = _Arguments(args, kwargs, self.num_layers, owner)
+    arguments = BlockArguments(args, kwargs, self.num_layers, owner)
 
     def block_call(x, *a, **k):
       return self.make_block()(x, *a, **k)
@@ -432,7 +433,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
       @functools.wraps(f)
       def wrapped(x, *ys, reverse: bool = False):
         kw = {"reverse": reverse} if pass_reverse_to_layer_fn else {}
-        arguments = _Arguments([PerLayer(y) for y in ys], {}, num_layers,
+        arguments = BlockArguments([PerLayer(y) for y in ys], {}, num_layers,
                                "layer_stack")
 
         def block_call(x, *layer_ys):
@@ -454,7 +455,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
         return (out,) if len(carry) == 1 else out
 
       carry, _ = _LayerStackScope(name=name)(
-          block_call, tuple(args), _Arguments((), {}, num_layers, "layer_stack"),
+          block_call, tuple(args), BlockArguments((), {}, num_layers, "layer_stack"),
           kind="fold", reverse=reverse, **config)
       return carry[0] if len(args) == 1 else carry
 

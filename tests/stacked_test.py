@@ -22,8 +22,10 @@ import pytest
 
 import stacktools as st
 
+import haiku_helpers
+
 N, B, D = 4, 3, 8
-RTOL, ATOL = 1e-5, 1e-5
+RTOL, ATOL = haiku_helpers.RTOL, haiku_helpers.ATOL
 KEY = jax.random.PRNGKey(0)
 APPLY_KEY = jax.random.PRNGKey(1)
 
@@ -44,20 +46,11 @@ def _check_jax_usage():
 
 
 def _x(shape=(B, D), seed=0):
-  return jax.random.uniform(jax.random.PRNGKey(seed), shape, minval=-1.0, maxval=1.0)
+  return haiku_helpers.random_input(shape, seed)
 
 
-def _signature(bundles):
-  """``{module: {name: (shape, dtype)}}`` of Haiku params or state."""
-  return {m: {n: (tuple(v.shape), str(v.dtype)) for n, v in b.items()}
-          for m, b in bundles.items()}
-
-
-def _assert_close(actual, expected, rtol=RTOL, atol=ATOL):
-  assert (jax.tree_util.tree_structure(actual)
-          == jax.tree_util.tree_structure(expected))
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol),
-               actual, expected)
+_signature = haiku_helpers.signature
+_assert_close = haiku_helpers.assert_close
 
 
 def _random_like(shapes, seed=0):
