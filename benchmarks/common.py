@@ -51,16 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import stacktools as st
-from stacktools.scan import nested_split
+from stacktools.loops import nested_split
 
 PyTree = Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 NO_MATPLOTLIB = "matplotlib not installed: skipping the plot (pip install matplotlib)"
 
-#: The policies every benchmark knows, in display order. ``save_named`` keeps
-#: the one internal named by ``--save_name`` (default ``mlp_hidden``).
-POLICIES = ("none", "full", "nested", "offload", "save_all", "save_named")
+#: The policies every benchmark knows, in display order: stacktools' remat
+#: aliases, then ``save_named``, which keeps the one internal named by
+#: ``--save_name`` (default ``mlp_hidden``).
+POLICIES = tuple(st.REMAT_ALIASES) + ("save_named",)
 #: The ways of applying a block N times, in display order.
 IMPLS = ("stacked", "blockseq", "hk_layer_stack", "lax_scan")
 IMPL_LABELS = {
@@ -222,7 +223,7 @@ def supports(impl: str, policy: str, num_layers: int) -> bool:
   """Whether ``impl`` can express ``policy`` at this depth.
 
   ``hk_layer_stack`` writes ``nested`` as a layer_stack of layer_stacks, so
-  only when ``st.scan.nested_split`` divides the depth exactly.
+  only when ``st.nested_split`` divides the depth exactly.
   """
   if impl == "hk_layer_stack" and policy == "nested":
     return nested_split(num_layers, True)[2] == 0

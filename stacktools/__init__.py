@@ -1,18 +1,20 @@
 """stacktools: stack a repeated block's parameters and apply it with one scan."""
 
+from stacktools._layers import layer_index
+from stacktools._layers import per_layer
+from stacktools._layers import PerLayer
+from stacktools.loops import fold
+from stacktools.loops import map  # pylint: disable=redefined-builtin
+from stacktools.loops import nested_split
+from stacktools.loops import scan
 from stacktools.params import stack_params
 from stacktools.params import unstack_params
-from stacktools.policy import CheckpointPolicy
 from stacktools.policy import checkpoint_name
-from stacktools.scan import fold
-from stacktools.scan import map  # pylint: disable=redefined-builtin
-from stacktools.scan import scan
+from stacktools.policy import CheckpointPolicy
+from stacktools.policy import REMAT_ALIASES
 from stacktools.seq import BlockSeq
 from stacktools.sharding import stacked_partition_specs
-from stacktools.stack import layer_index
 from stacktools.stack import layer_stack
-from stacktools.stack import per_layer
-from stacktools.stack import PerLayer
 from stacktools.stack import Stacked
 
 __version__ = "0.1.0"
@@ -21,12 +23,14 @@ __all__ = (
     "BlockSeq",
     "CheckpointPolicy",
     "PerLayer",
+    "REMAT_ALIASES",
     "Stacked",
     "checkpoint_name",
     "fold",
     "layer_index",
     "layer_stack",
     "map",
+    "nested_split",
     "per_layer",
     "scan",
     "stack_params",

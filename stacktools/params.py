@@ -14,9 +14,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from stacktools import _checks
 
 Bundle = Mapping[str, Mapping[str, Any]]
 
@@ -111,7 +112,7 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
             f"stack_params: {prefix}/layer_{i}{rest} holds {sorted(bundle)} but "
             f"layer_0 holds {sorted(names)}; every layer needs the same names.")
       for name in names:
-        got, want = _signature(bundle[name]), _signature(by_index[0][name])
+        got, want = _checks.signature(bundle[name]), _checks.signature(by_index[0][name])
         if got != want:
           raise ValueError(
               f"stack_params: {prefix}/layer_{i}{rest}/{name} is {got[1]}"
@@ -121,10 +122,6 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
         name: _stack([by_index[i][name] for i in range(num_layers)])
         for name in sorted(names)}
   return out
-
-
-def _signature(value) -> tuple[tuple[int, ...], Any]:
-  return tuple(jnp.shape(value)), jnp.result_type(value)
 
 
 def _stack(values):

@@ -4,9 +4,11 @@ A :class:`CheckpointPolicy` says what the backward pass of a scanned block
 keeps from the forward pass and what it recomputes. It is built from a
 ``remat=`` value (``False``, ``True``, ``"nested"``, ``"offload"``, ...) by
 :meth:`CheckpointPolicy.from_remat` and turned into a ``jax.checkpoint`` call
-for the loop body by :meth:`CheckpointPolicy.checkpoint_step`.
+for the loop body by :meth:`CheckpointPolicy.checkpoint_step` (and, for the
+outer loop of a nested loop, :meth:`CheckpointPolicy.checkpoint_chunk`). This
+is the only module that calls ``jax.checkpoint``.
 
-The loop machinery in ``scan.py`` tags the carry and the per-layer input of
+The loop machinery in ``loops.py`` tags the carry and the per-layer input of
 every step with the reserved names :data:`CARRY_NAME` and :data:`INPUT_NAME`;
 a block tags its own intermediates with :func:`checkpoint_name`. The policy
 then maps onto ``jax.checkpoint_policies``: names to save on device, names to
@@ -16,7 +18,8 @@ offload to host memory, everything else recomputed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 import jax
@@ -37,8 +40,6 @@ _RESERVED_NAMES = (CARRY_NAME, INPUT_NAME, OUTER_CARRY_NAME)
 SaveOption = Union[bool, Literal["offload"]]
 RematSpec = Union[bool, str, "CheckpointPolicy", None]
 
-_ALIASES = ("False", "None", "'none'", "True", "'full'", "'nested'",
-            "'offload'", "'save_all'", "a CheckpointPolicy")
 
 
 def checkpoint_name(tree: T, name: str) -> T:
@@ -219,24 +220,14 @@ class CheckpointPolicy:
     if isinstance(remat, CheckpointPolicy):
       return remat
     if remat is None or remat is False:
-      return cls(disable=True)
+      return REMAT_ALIASES["none"]
     if remat is True:
-      return cls()
-    if isinstance(remat, str):
-      alias = remat.lower()
-      if alias == "none":
-        return cls(disable=True)
-      if alias == "full":
-        return cls()
-      if alias == "nested":
-        return cls(nested=True)
-      if alias == "offload":
-        return cls(save_carries="offload", save_inputs="offload")
-      if alias == "save_all":
-        return cls(save_carries=True, save_inputs=True, save_block_internals=True)
+      return REMAT_ALIASES["full"]
+    if isinstance(remat, str) and remat.lower() in REMAT_ALIASES:
+      return REMAT_ALIASES[remat.lower()]
     raise ValueError(
-        f"remat={remat!r} is not a checkpoint policy. Accepted: "
-        f"{', '.join(_ALIASES)}.")
+        f"remat={remat!r} is not a checkpoint policy. Accepted: False, None, "
+        f"True, {', '.join(map(repr, REMAT_ALIASES))}, or a CheckpointPolicy.")
 
   def inner(self) -> "CheckpointPolicy":
     """This policy for one step of the inner loop of a nested loop."""
@@ -303,3 +294,51 @@ class CheckpointPolicy:
     return jax.checkpoint(named_step, policy=self.jax_policy(),
                           prevent_cse=self.prevent_cse)
 
+
+  def checkpoint_chunk(self, chunk: Callable[..., T]) -> Callable[..., T]:
+    """Wraps one outer step ``chunk(carry, x)`` of a nested loop.
+
+    The chunk is checkpointed as a whole: only its input carry is kept (in
+    host memory when ``save_carries="offload"``), and the backward pass
+    recomputes the chunk's inner loop, whose steps are wrapped by
+    :meth:`checkpoint_step` of :meth:`inner`.
+
+    Args:
+      chunk: ``chunk(carry, x) -> out``, an inner loop over a chunk of steps.
+
+    Returns:
+      The wrapped chunk.
+    """
+    cp = jax.checkpoint_policies
+    if self.save_carries == "offload":
+      jax_policy = cp.save_and_offload_only_these_names(
+          names_which_can_be_saved=[],
+          names_which_can_be_offloaded=[OUTER_CARRY_NAME],
+          offload_src="device", offload_dst="pinned_host")
+    else:
+      jax_policy = cp.nothing_saveable
+
+    def named_chunk(carry, x):
+      return chunk(checkpoint_name(carry, OUTER_CARRY_NAME), x)
+
+    return jax.checkpoint(named_chunk, policy=jax_policy,
+                          prevent_cse=self.prevent_cse)
+
+
+#: The ``remat=`` aliases and the policies they stand for. ``False`` and
+#: ``None`` mean ``"none"``; ``True`` means ``"full"``. ``from_remat``, its
+#: error message, the GPT example's ``--remat`` flag and the benchmarks all
+#: read this one table.
+REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
+    # Keep everything: no checkpointing at all.
+    "none": CheckpointPolicy(disable=True),
+    # Keep each layer's carry, recompute its internals.
+    "full": CheckpointPolicy(),
+    # A two-level loop: keep about 2*sqrt(N) carries.
+    "nested": CheckpointPolicy(nested=True),
+    # Like "full", with carries and per-layer inputs in host memory.
+    "offload": CheckpointPolicy(save_carries="offload", save_inputs="offload"),
+    # The memory of "none", through the checkpoint machinery.
+    "save_all": CheckpointPolicy(save_carries=True, save_inputs=True,
+                                 save_block_internals=True),
+})

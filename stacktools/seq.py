@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from stacktools import _checks
+from stacktools import _layers
 from stacktools import policy as policy_lib
-from stacktools import stack as stack_lib
-from stacktools.scan import check_carry
 
 PyTree = Any
 
@@ -34,33 +34,32 @@ class _Layer(hk.Module):
 
   def __call__(self, inner, x, sliced, *, index, init_key, rng, kind, policy, owner):
     def init(key, x, sliced):
-      with stack_lib.at_layer(index):
+      with _layers.at_layer(index):
         return inner.init(key, x, sliced)
 
     params_and_state, updater = hk.transparent_lift_with_state(
         init, allow_reuse=True)
     params, state = params_and_state(init_key, x, sliced)
 
-    def step(carry, layer):
-      layer_params, layer_state, layer_rng, layer_sliced = layer
-      with stack_lib.at_layer(index):
-        out, new_state = inner.apply(layer_params, layer_state, layer_rng,
-                                     carry, layer_sliced)
-      new_carry, y = stack_lib.split_block_output(out, carry, kind, owner)
-      check_carry(carry, new_carry)
-      return new_carry, (y, new_state)
+    def step(carry, layer: _layers.LayerSlice):
+      new_carry, result = _layers.apply_layer(inner, carry, layer, kind=kind,
+                                              owner=owner)
+      _checks.check_carry(carry, new_carry)
+      return new_carry, result
 
-    x, (y, new_state) = policy.checkpoint_step(step)(
-        x, (params, state, rng, sliced))
-    updater.update(new_state)
-    return x, y
+    layer = _layers.LayerSlice(params=params, state=state, rng=rng,
+                               sliced=sliced, index=index)
+    x, result = policy.checkpoint_step(step)(x, layer)
+    updater.update(result.state)
+    return x, result.y
 
 
-class BlockSeq(hk.Module):
+class BlockSeq(_layers.StackModule):
   """A block repeated ``num_layers`` times in a Python loop.
 
   The interface of :class:`Stacked`; parameters live under
-  ``<name>/layer_<i>/`` instead of on a stacked axis.
+  ``<name>/layer_<i>/`` instead of on a stacked axis. The loop is unrolled
+  by construction, so there is no ``unroll=``.
 
   Example::
 
@@ -72,44 +71,22 @@ class BlockSeq(hk.Module):
     num_layers: how many blocks (>= 1).
     remat: a checkpoint policy or alias, applied to each block (``nested``
       has nothing to split in a single block and acts like ``full``).
-    unroll: accepted for interface parity with Stacked; the loop is unrolled.
     reverse: apply the layers from the last to the first.
     name: the module name.
   """
 
   def __init__(self, make_block: Callable[[], Callable[..., Any]], num_layers: int,
-               *, remat: policy_lib.RematSpec = False, unroll: Union[int, bool] = 1,
-               reverse: bool = False, name: Optional[str] = None):
-    super().__init__(name=name)
-    stack_lib.configure_stack(self, make_block, num_layers, remat, unroll, reverse)
+               *, remat: policy_lib.RematSpec = False, reverse: bool = False,
+               name: Optional[str] = None):
+    super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
+                     name=name)
 
-  def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
-    """Applies every block to ``x``; see :meth:`Stacked.fold`."""
-    x, _ = self._apply(x, args, kwargs, kind="fold")
-    return x
-
-  def scan(self, x: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, PyTree]:
-    """Applies every block to ``x`` and stacks the ys; see :meth:`Stacked.scan`."""
-    return self._apply(x, args, kwargs, kind="scan")
-
-  @hk.experimental.name_like("__call__")
-  def _apply(self, x, args, kwargs, *, kind):
-    if isinstance(x, stack_lib.PerLayer):
-      raise TypeError(f"BlockSeq.{kind}: the carry x cannot be per_layer; only "
-                      "the arguments after it can be.")
+  @_layers.StackModule.layer_scope
+  def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
+                 arguments: _layers.BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
     n = self.num_layers
-    arguments = stack_lib.BlockArguments(args, kwargs, n, "BlockSeq")
-
-    def block_call(x, *a, **k):
-      return self.make_block()(x, *a, **k)
-
-    inner = stack_lib.make_inner(block_call, arguments)
     # The same draws, in the same order, as Stacked.
-    init_key = hk.maybe_next_rng_key()
-    init_keys = None
-    if init_key is not None and hk.running_init():
-      init_keys = jax.random.split(init_key, n)
-    apply_keys = stack_lib.layer_keys(n)
+    keys = _layers.draw_layer_keys(n)
     step_policy = self.policy.inner()
     if not step_policy.disable:
       # Outside a loop XLA would merge the recomputation with the forward pass
@@ -121,9 +98,9 @@ class BlockSeq(hk.Module):
       sliced = jax.tree_util.tree_map(lambda a: a[i], arguments.sliced)  # pylint: disable=cell-var-from-loop
       x, ys[i] = _Layer(name=f"layer_{i}")(
           inner, x, sliced, index=jnp.asarray(i, jnp.int32),
-          init_key=None if init_keys is None else init_keys[i],
-          rng=None if apply_keys is None else apply_keys[i],
-          kind=kind, policy=step_policy, owner="BlockSeq")
+          init_key=None if keys.init is None else keys.init[i],
+          rng=None if keys.apply is None else keys.apply[i],
+          kind=kind, policy=step_policy, owner=type(self).__name__)
     if kind == "fold":
       return x, None
     return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)

@@ -212,7 +212,7 @@ def test_per_test_settings_name_existing_tests(build):
 def test_glob_regex_follows_bazel_rules():
   assert _glob_regex("tests/*_test.py").match("tests/scan_test.py")
   assert not _glob_regex("tests/*_test.py").match("tests/sub/scan_test.py")
-  assert _glob_regex("stacktools/**/*.py").match("stacktools/scan.py")
+  assert _glob_regex("stacktools/**/*.py").match("stacktools/loops.py")
   assert _glob_regex("stacktools/**/*.py").match("stacktools/a/b/c.py")
   assert _glob_regex("tests/**").match("tests/data/x.txt")
   assert not _glob_regex("tests/**").match("tests")

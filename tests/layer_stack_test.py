@@ -619,10 +619,10 @@ def test_bad_num_layers(num_layers, error, match):
 
 def test_bad_remat_and_unroll():
   with pytest.raises(ValueError, match=r"remat='bogus' is not a checkpoint "
-                     r"policy\. Accepted: False, None, 'none', True, 'full', "
+                     r"policy\. Accepted: False, None, True, 'none', 'full', "
                      r"'nested', 'offload', 'save_all'"):
     st.layer_stack(2, remat="bogus")
-  with pytest.raises(ValueError, match=r"unroll=0 must be an int >= 1 or True"):
+  with pytest.raises(ValueError, match=r"layer_stack: unroll=0 is not accepted: use an int >= 1"):
     st.layer_stack(2, unroll=0)
 
 

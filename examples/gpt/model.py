@@ -150,9 +150,10 @@ def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str
 
 
 def _stack(cfg: GPTConfig):
-  cls = st.Stacked if cfg.stack == "scan" else st.BlockSeq
-  return cls(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat,
-             unroll=cfg.unroll, name="h")
+  if cfg.stack == "unrolled":   # a Python loop: nothing to unroll further
+    return st.BlockSeq(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat, name="h")
+  return st.Stacked(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat,
+                    unroll=cfg.unroll, name="h")
 
 
 def _embed(cfg: GPTConfig, tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:

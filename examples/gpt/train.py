@@ -39,7 +39,7 @@ from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 
-REMAT_CHOICES = ("none", "full", "nested", "offload", "save_all")
+REMAT_CHOICES = tuple(st.REMAT_ALIASES)
 
 _REMAT = flags.DEFINE_enum("remat", "full", REMAT_CHOICES, "Checkpoint policy of the block stack.")
 _SAVE_NAMES = flags.DEFINE_list(

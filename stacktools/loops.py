@@ -17,9 +17,7 @@ at the end rather than a worse split.
 
 from __future__ import annotations
 
-import builtins
 import math
-import operator
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar, Union
 
@@ -27,13 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from stacktools import _checks
 from stacktools import policy as policy_lib
 
 Carry = TypeVar("Carry")
 Y = TypeVar("Y")
 PyTree = Any
-
-OUTER_CARRY_NAME = policy_lib.OUTER_CARRY_NAME
 
 
 def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
@@ -67,15 +64,15 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
     ``run(init, xs=None) -> carry``.
   """
   policy = policy_lib.CheckpointPolicy.from_remat(remat)
-  unroll = _check_unroll(unroll)
+  unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
     new_carry = f(carry, x)
-    check_fold_output(carry, new_carry)
+    _checks.check_fold_output(carry, new_carry)
     return new_carry, None
 
   def run(init: Carry, xs: PyTree = None) -> Carry:
-    n = _loop_length(xs, length)
+    n = _checks.loop_length(xs, length)
     carry, _ = _loop(step, init, xs, n, policy, unroll, reverse)
     return carry
 
@@ -116,21 +113,17 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
     axis of the loop length.
   """
   policy = policy_lib.CheckpointPolicy.from_remat(remat)
-  unroll = _check_unroll(unroll)
+  unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
     out = f(carry, x)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      raise TypeError(
-          "A scan body must return a pair (new_carry, y), but it returned "
-          f"{_describe(out)}. A body that returns only the new carry is a fold: "
-          "use st.fold.")
+    _checks.check_scan_output(out)
     new_carry, y = out
-    check_carry(carry, new_carry)
+    _checks.check_carry(carry, new_carry)
     return new_carry, y
 
   def run(init: Carry, xs: PyTree = None) -> tuple[Carry, Y]:
-    n = _loop_length(xs, length)
+    n = _checks.loop_length(xs, length)
     return _loop(step, init, xs, n, policy, unroll, reverse)
 
   return run
@@ -159,7 +152,7 @@ def map(f: Callable[[Any], Y], *,  # pylint: disable=redefined-builtin
   def run(xs: PyTree) -> Y:
     if not jax.tree_util.tree_leaves(xs):
       raise ValueError("st.map needs xs with at least one array to map over; "
-                       f"got {_describe(xs)}.")
+                       f"got {_checks.describe(xs)}.")
     _, ys = scan_f(None, xs)
     return ys
 
@@ -232,21 +225,6 @@ def _loop(step, init, xs, n, policy, unroll, reverse):
   return _nested_loop(step, init, xs, n, policy, unroll, reverse)
 
 
-def _outer_checkpoint(policy, fn):
-  """Checkpoints one outer chunk as a whole: only its input carry is kept."""
-  if policy.save_carries == "offload":
-    jax_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[OUTER_CARRY_NAME],
-        offload_src="device", offload_dst="pinned_host")
-  else:
-    jax_policy = jax.checkpoint_policies.nothing_saveable
-
-  def named(carry, x):
-    return fn(policy_lib.checkpoint_name(carry, OUTER_CARRY_NAME), x)
-
-  return jax.checkpoint(named, policy=jax_policy, prevent_cse=policy.prevent_cse)
-
-
 def _nested_loop(step, init, xs, n, policy, unroll, reverse):
   def nbytes(leaf, skip_leading=False):
     shape = jnp.shape(leaf)[1 if skip_leading else 0:]
@@ -273,14 +251,14 @@ def _nested_loop(step, init, xs, n, policy, unroll, reverse):
     return run_chunk(carry, chunk_xs, inner)
 
   def main_part(carry):
-    carry, ys = lax.scan(_outer_checkpoint(policy, outer_step), carry,
+    carry, ys = lax.scan(policy.checkpoint_chunk(outer_step), carry,
                          jnp.arange(outer), reverse=reverse)
     return carry, jax.tree_util.tree_map(
         lambda y: y.reshape((outer * inner,) + y.shape[2:]), ys)
 
   def remainder_part(carry):
     rem_xs = jax.tree_util.tree_map(lambda a: a[outer * inner:], xs)
-    return _outer_checkpoint(policy, lambda c, x: run_chunk(c, x, remainder))(
+    return policy.checkpoint_chunk(lambda c, x: run_chunk(c, x, remainder))(
         carry, rem_xs)
 
   if not remainder:
@@ -294,112 +272,3 @@ def _nested_loop(step, init, xs, n, policy, unroll, reverse):
   ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=0),
                               ys_main, ys_rem)
   return carry, ys
-
-
-# ---------------------------------------------------------------------------
-# Checks, all at trace time.
-
-
-def _as_int(value) -> Optional[int]:
-  """``value`` as an int when it is an integer (numpy ones too), else None."""
-  if isinstance(value, bool):
-    return None
-  try:
-    return operator.index(value)
-  except TypeError:
-    return None
-
-
-def _check_unroll(unroll):
-  if isinstance(unroll, bool):
-    return unroll
-  as_int = _as_int(unroll)
-  if as_int is None or as_int < 1:
-    raise ValueError(f"unroll={unroll!r} is not accepted: use an int >= 1 (steps "
-                     "per rolled loop iteration) or True to unroll fully.")
-  return as_int
-
-
-def _path(prefix, path):
-  return prefix + jax.tree_util.keystr(path)
-
-
-def _loop_length(xs, length) -> int:
-  """The number of steps, checked against every leaf of ``xs``."""
-  if length is not None:
-    as_int = _as_int(length)
-    if as_int is None or as_int < 0:
-      raise ValueError(f"length={length!r} must be a non-negative int.")
-    length = as_int
-  leaves = jax.tree_util.tree_flatten_with_path(xs)[0]
-  if not leaves:
-    if length is None:
-      raise ValueError(
-          f"xs is {_describe(xs)}, so the number of steps is unknown: pass "
-          "length=N, or xs with a leading axis of N.")
-    return length
-  first_path = None
-  for path, leaf in leaves:
-    shape = jnp.shape(leaf)
-    if not shape:
-      raise ValueError(
-          f"{_path('xs', path)} is a scalar; every leaf of xs needs a leading "
-          "axis to loop over. Broadcast values belong in the carry or a closure.")
-    if length is None:
-      length, first_path = shape[0], path
-    elif shape[0] != length:
-      if first_path is None:
-        raise ValueError(
-            f"{_path('xs', path)} has a leading axis of {shape[0]}, but "
-            f"length={length}; the leading axis of every leaf of xs must equal "
-            "the loop length.")
-      raise ValueError(
-          f"{_path('xs', path)} has a leading axis of {shape[0]}, but "
-          f"{_path('xs', first_path)} has {length}; every leaf of xs needs the "
-          "same leading axis (the loop length).")
-  return length
-
-
-def _describe(value) -> str:
-  if isinstance(value, (tuple, list)):
-    return f"a {type(value).__name__} of {len(value)}"
-  if value is None:
-    return "None"
-  shape = getattr(value, "shape", None)
-  if shape is not None:
-    return f"an array of shape {tuple(shape)}"
-  return f"a {type(value).__name__}"
-
-
-def _signature(leaf):
-  return tuple(jnp.shape(leaf)), jnp.result_type(leaf)
-
-
-def check_fold_output(carry, new_carry):
-  in_tree = jax.tree_util.tree_structure(carry)
-  if (jax.tree_util.tree_structure(new_carry) != in_tree and
-      isinstance(new_carry, tuple) and len(new_carry) == 2 and
-      jax.tree_util.tree_structure(new_carry[0]) == in_tree):
-    raise TypeError(
-        "A fold body must return only the new carry, but it returned a pair "
-        "(carry, y). For per-step outputs use st.scan, which stacks the ys.")
-  check_carry(carry, new_carry)
-
-
-def check_carry(carry, new_carry):
-  """The carry a step returns must match the one it was given, leaf by leaf."""
-  in_leaves, in_tree = jax.tree_util.tree_flatten_with_path(carry)
-  out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(new_carry)
-  if in_tree != out_tree:
-    raise TypeError(
-        "The loop body changed the structure of the carry: it was given "
-        f"{in_tree} and returned {out_tree}. A step must return a carry with "
-        "the same structure, shapes and dtypes as the one it was given.")
-  for (path, a), (_, b) in builtins.zip(in_leaves, out_leaves):
-    (shape_a, dtype_a), (shape_b, dtype_b) = _signature(a), _signature(b)
-    if shape_a != shape_b or dtype_a != dtype_b:
-      raise TypeError(
-          f"The loop body changed {_path('carry', path)} from "
-          f"{dtype_a}{list(shape_a)} to {dtype_b}{list(shape_b)}. A step must "
-          "return a carry with the same structure, shapes and dtypes as the "
-          "one it was given.")

@@ -1,4 +1,4 @@
-"""Tests for stacktools.scan: fold, scan and map with checkpoint policies.
+"""Tests for stacktools.loops: fold, scan and map with checkpoint policies.
 
 Values and gradients are compared against a plain Python loop over sliced
 ``xs``, differentiated eagerly by JAX (no jit, no lax.scan); what each policy
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools.scan import nested_split
+from stacktools.loops import nested_split
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals

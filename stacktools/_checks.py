@@ -1,0 +1,230 @@
+"""Trace-time checks shared by every module, and their wording.
+
+Each check is one small function that raises a ``TypeError`` or
+``ValueError`` saying what was wrong, what is accepted and how to fix it.
+Keeping them here means ``st.fold``, ``Stacked``, ``BlockSeq``,
+``layer_stack`` and the parameter rewrites accept the same values and say the
+same thing about the same mistake.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+# ---------------------------------------------------------------------------
+# Describing values in messages.
+
+
+def describe(value: Any) -> str:
+  """A short phrase for ``value`` in an error message: "a tuple of 3"."""
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of {len(value)}"
+  if value is None:
+    return "None"
+  shape = getattr(value, "shape", None)
+  if shape is not None:
+    return f"an array of shape {tuple(shape)}"
+  return f"a {type(value).__name__}"
+
+
+def signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
+  """``(shape, dtype)`` of an array-like leaf."""
+  return tuple(jnp.shape(leaf)), jnp.result_type(leaf)
+
+
+def path_str(prefix: str, path: Any) -> str:
+  """``prefix`` followed by a pytree key path, e.g. ``xs['w'][0]``."""
+  return prefix + jax.tree_util.keystr(path)
+
+
+# ---------------------------------------------------------------------------
+# Integers.
+
+
+def as_int(value: Any) -> Optional[int]:
+  """``value`` as an int when it is an integer (numpy ones too), else None.
+
+  ``True`` and ``False`` are not integers here: ``num_layers=True`` is a
+  mistake, not a stack of one.
+  """
+  if isinstance(value, bool):
+    return None
+  try:
+    return operator.index(value)
+  except TypeError:
+    return None
+
+
+def check_num_layers(num_layers: Any, owner: str) -> int:
+  """An int (numpy ints too) >= 1, returned as a Python int."""
+  value = as_int(num_layers)
+  if value is None:
+    raise TypeError(f"{owner}: num_layers must be an int >= 1, got {num_layers!r}.")
+  if value < 1:
+    raise ValueError(f"{owner}: num_layers must be >= 1, got {value}.")
+  return value
+
+
+def check_unroll(unroll: Any, owner: str = "") -> Union[int, bool]:
+  """An int >= 1 (numpy ints too), or a bool as ``jax.lax.scan`` takes it."""
+  if isinstance(unroll, bool):
+    return unroll
+  else:
+    value = as_int(unroll)
+    if value is not None and value >= 1:
+      return value
+  where = f"{owner}: " if owner else ""
+  raise ValueError(f"{where}unroll={unroll!r} is not accepted: use an int >= 1 "
+                   "(steps per rolled loop iteration) or True to unroll fully.")
+
+
+def check_length(length: Any) -> int:
+  """A loop length: an int >= 0 (numpy ints too)."""
+  value = as_int(length)
+  if value is None or value < 0:
+    raise ValueError(f"length={length!r} must be a non-negative int.")
+  return value
+
+
+def check_factory(make_block: Any, owner: str) -> None:
+  """``make_block`` must be a factory, not a block instance."""
+  if not callable(make_block):
+    raise TypeError(
+        f"{owner} needs make_block, a factory (a class or a lambda) that returns "
+        f"the block, e.g. lambda: Block(cfg); got {make_block!r}.")
+
+
+# ---------------------------------------------------------------------------
+# Leading (Layers) axes.
+
+
+def loop_length(xs: PyTree, length: Any) -> int:
+  """The number of steps of a loop over ``xs``, checked against every leaf."""
+  if length is not None:
+    length = check_length(length)
+  leaves = jax.tree_util.tree_flatten_with_path(xs)[0]
+  if not leaves:
+    if length is None:
+      raise ValueError(
+          f"xs is {describe(xs)}, so the number of steps is unknown: pass "
+          "length=N, or xs with a leading axis of N.")
+    return length
+  first_path = None
+  for path, leaf in leaves:
+    shape = jnp.shape(leaf)
+    if not shape:
+      raise ValueError(
+          f"{path_str('xs', path)} is a scalar; every leaf of xs needs a leading "
+          "axis to loop over. Broadcast values belong in the carry or a closure.")
+    if length is None:
+      length, first_path = shape[0], path
+    elif shape[0] != length:
+      if first_path is None:
+        raise ValueError(
+            f"{path_str('xs', path)} has a leading axis of {shape[0]}, but "
+            f"length={length}; the leading axis of every leaf of xs must equal "
+            "the loop length.")
+      raise ValueError(
+          f"{path_str('xs', path)} has a leading axis of {shape[0]}, but "
+          f"{path_str('xs', first_path)} has {length}; every leaf of xs needs the "
+          "same leading axis (the loop length).")
+  return length
+
+
+def check_leading_axis(tree: PyTree, num_layers: int, label: str) -> None:
+  """Raises a ValueError unless every leaf of ``tree`` leads with ``num_layers``."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shape = jnp.shape(leaf)
+    where = path_str(label, path)
+    if not shape:
+      raise ValueError(
+          f"{where} is a scalar, but a per-layer argument needs a leading axis "
+          f"of num_layers={num_layers}. Pass it unmarked to broadcast it.")
+    if shape[0] != num_layers:
+      raise ValueError(
+          f"{where} has a leading axis of {shape[0]}, but the stack has "
+          f"num_layers={num_layers}; a per-layer argument needs one slice per "
+          "layer on its leading axis.")
+
+
+# ---------------------------------------------------------------------------
+# What a loop body returns.
+
+
+def returned_a_pair_for_a_fold(carry: PyTree, out: Any) -> bool:
+  """Whether a fold body returned ``(carry, y)`` instead of the carry."""
+  in_tree = jax.tree_util.tree_structure(carry)
+  return (jax.tree_util.tree_structure(out) != in_tree and
+          isinstance(out, tuple) and len(out) == 2 and
+          jax.tree_util.tree_structure(out[0]) == in_tree)
+
+
+def is_pair(out: Any) -> bool:
+  return isinstance(out, (tuple, list)) and len(out) == 2
+
+
+def check_fold_output(carry: PyTree, new_carry: PyTree) -> None:
+  """A fold body returns only the new carry, like the one it was given."""
+  if returned_a_pair_for_a_fold(carry, new_carry):
+    raise TypeError(
+        "A fold body must return only the new carry, but it returned a pair "
+        "(carry, y). For per-step outputs use st.scan, which stacks the ys.")
+  check_carry(carry, new_carry)
+
+
+def check_scan_output(out: Any) -> None:
+  """A scan body returns a pair ``(new_carry, y)``."""
+  if not is_pair(out):
+    raise TypeError(
+        "A scan body must return a pair (new_carry, y), but it returned "
+        f"{describe(out)}. A body that returns only the new carry is a fold: "
+        "use st.fold.")
+
+
+def check_carry(carry: PyTree, new_carry: PyTree) -> None:
+  """The carry a step returns must match the one it was given, leaf by leaf."""
+  in_leaves, in_tree = jax.tree_util.tree_flatten_with_path(carry)
+  out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(new_carry)
+  if in_tree != out_tree:
+    raise TypeError(
+        "The loop body changed the structure of the carry: it was given "
+        f"{in_tree} and returned {out_tree}. A step must return a carry with "
+        "the same structure, shapes and dtypes as the one it was given.")
+  for (path, a), (_, b) in builtins.zip(in_leaves, out_leaves):
+    (shape_a, dtype_a), (shape_b, dtype_b) = signature(a), signature(b)
+    if shape_a != shape_b or dtype_a != dtype_b:
+      raise TypeError(
+          f"The loop body changed {path_str('carry', path)} from "
+          f"{dtype_a}{list(shape_a)} to {dtype_b}{list(shape_b)}. A step must "
+          "return a carry with the same structure, shapes and dtypes as the "
+          "one it was given.")
+
+
+def split_block_output(out: Any, x: PyTree, kind: str, owner: str) -> tuple[Any, Any]:
+  """``(new_x, y)`` from a stacked block's output, checked against its kind."""
+  if kind == "fold":
+    if returned_a_pair_for_a_fold(x, out):
+      raise TypeError(
+          f"{owner}.fold: the block returned a pair (x, y), but a fold block "
+          f"returns only the new x. Use {owner}.scan to collect per-layer "
+          "outputs.")
+    return out, None
+  if not is_pair(out):
+    if owner == "layer_stack":
+      raise TypeError(
+          "layer_stack(with_per_layer_inputs=True): the function must return a "
+          f"pair (x, z), but it returned {describe(out)}. For a function that "
+          "returns only x, use with_per_layer_inputs=False.")
+    raise TypeError(
+        f"{owner}.scan: a scan block must return a pair (x, y), but it "
+        f"returned {describe(out)}. A block that returns only x is a fold "
+        f"block: use {owner}.fold.")
+  return out[0], out[1]

@@ -1,0 +1,298 @@
+"""The Haiku plumbing that Stacked and BlockSeq share.
+
+Vocabulary, as in the loops:
+
+* the *carry* ``x`` is what flows from layer to layer (the residual stream);
+* the *per-layer arguments* are sliced along a leading Layers axis, one slice
+  per layer (:func:`per_layer`); every other argument is broadcast;
+* a *fold* block returns the new ``x``; a *scan* block returns ``(x, y)`` and
+  the stack returns every layer's ``y`` stacked on a Layers axis.
+
+In pseudo-code, both stacks compute::
+
+  inner = hk.transform_with_state(lambda x, sliced: make_block()(x, *args(sliced)))
+  params, state = [inner.init(init_keys[i], x, sliced[i]) for i in layers]
+  for i in layers:                     # reversed when reverse=True
+    with at_layer(i):
+      out, state[i] = inner.apply(params[i], state[i], apply_keys[i], x, sliced[i])
+    x, ys[i] = split_block_output(out)
+
+:class:`StackModule` owns the constructor checks and ``fold``/``scan``; a
+subclass overrides :meth:`StackModule.run_layers` with how the layers run
+(one ``jax.vmap`` + one scan in ``Stacked``, a Python loop in ``BlockSeq``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Optional
+
+import haiku as hk
+import jax
+
+from stacktools import _checks
+from stacktools import policy as policy_lib
+
+PyTree = Any
+
+
+# ---------------------------------------------------------------------------
+# Per-layer arguments and the layer index.
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+  """An argument to slice along its leading (Layers) axis; see :func:`per_layer`."""
+
+  value: PyTree
+
+
+def per_layer(tree: PyTree) -> PerLayer:
+  """Marks an argument of ``Stacked.fold``/``scan`` to be sliced per layer.
+
+  Every leaf of ``tree`` must have a leading axis of ``num_layers``; layer
+  ``i`` receives ``tree`` with every leaf indexed at ``i``. Arguments that are
+  not marked are given whole to every layer.
+
+  Example::
+
+    x, new_cache = blocks.scan(x, mask, st.per_layer(kv_cache))
+
+  Args:
+    tree: a pytree of arrays with a leading ``num_layers`` axis.
+
+  Returns:
+    A marker that the stack unwraps.
+  """
+  if isinstance(tree, PerLayer):
+    return tree
+  return PerLayer(tree)
+
+
+_local = threading.local()
+
+
+def _index_stack() -> list[jax.Array]:
+  if not hasattr(_local, "indices"):
+    _local.indices = []
+  return _local.indices
+
+
+@contextlib.contextmanager
+def at_layer(index: jax.Array) -> Iterator[None]:
+  """Makes ``index`` what :func:`layer_index` returns inside the block."""
+  stack = _index_stack()
+  stack.append(index)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def layer_index() -> jax.Array:
+  """The int32 index of the layer being applied, inside a stacked block.
+
+  Works inside a block of :class:`Stacked`, :class:`BlockSeq` or
+  :func:`layer_stack`, at init and at apply; in nested stacks it is the index
+  in the innermost stack.
+
+  Example::
+
+    class Block(hk.Module):
+      def __call__(self, x):
+        scale = 1.0 / jnp.sqrt(2.0 * (st.layer_index() + 1))
+        return x + scale * hk.Linear(x.shape[-1])(x)
+
+  Returns:
+    A scalar int32 array (a tracer inside the loop).
+
+  Raises:
+    RuntimeError: when called outside a stacked block.
+  """
+  stack = _index_stack()
+  if not stack:
+    raise RuntimeError(
+        "st.layer_index() was called outside a stacked block. Call it inside "
+        "the block function of st.Stacked, st.BlockSeq or st.layer_stack.")
+  return stack[-1]
+
+
+# ---------------------------------------------------------------------------
+# One call of a stack: which arguments are broadcast, which sliced.
+
+
+class BlockArguments:
+  """Splits a call's arguments into broadcast ones and per-layer ones."""
+
+  def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any],
+               num_layers: int, owner: str):
+    self._args = tuple(args)
+    self._kwargs = dict(kwargs)
+    self.sliced: dict[str, PyTree] = {}
+    for i, arg in enumerate(self._args):
+      if isinstance(arg, PerLayer):
+        self.sliced[f"arg{i}"] = arg.value
+    for key, arg in self._kwargs.items():
+      if isinstance(arg, PerLayer):
+        self.sliced[f"kw_{key}"] = arg.value
+    for key, value in self.sliced.items():
+      label = (f"positional argument {key[3:]}" if key.startswith("arg")
+               else f"keyword argument {key[3:]!r}")
+      _checks.check_leading_axis(value, num_layers, f"{owner}: per_layer {label}")
+
+  def bind(self, sliced: Mapping[str, PyTree]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with per-layer ones replaced by one layer's slice."""
+    args = tuple(sliced[f"arg{i}"] if isinstance(a, PerLayer) else a
+                 for i, a in enumerate(self._args))
+    kwargs = {k: sliced[f"kw_{k}"] if isinstance(a, PerLayer) else a
+              for k, a in self._kwargs.items()}
+    return args, kwargs
+
+
+def make_inner(block_call: Callable[..., Any],
+               arguments: BlockArguments) -> hk.TransformedWithState:
+  """The inner transform: one layer, ``(x, sliced) -> block output``."""
+
+  def one_layer(x, sliced):
+    args, kwargs = arguments.bind(sliced)
+    return block_call(x, *args, **kwargs)
+
+  return hk.transform_with_state(one_layer)
+
+
+# ---------------------------------------------------------------------------
+# What travels through the loop over layers.
+
+
+class LayerKeys(NamedTuple):
+  """One init key and one apply key per layer (``None`` without an rng)."""
+
+  init: Optional[jax.Array]
+  apply: Optional[jax.Array]
+
+
+def draw_layer_keys(num_layers: int) -> LayerKeys:
+  """Per-layer keys from the outer transform's rng.
+
+  Two keys are drawn, at init and at apply alike, so the apply keys are the
+  same draw in both (as in ``hk.layer_stack``); each is split per layer.
+  Stacked and BlockSeq draw them the same way, which is what lets a BlockSeq
+  reproduce a Stacked exactly, dropout included.
+  """
+  init_key = hk.maybe_next_rng_key()
+  apply_key = hk.maybe_next_rng_key()
+  init_keys = None
+  if init_key is not None and hk.running_init():
+    init_keys = jax.random.split(init_key, num_layers)
+  apply_keys = None if apply_key is None else jax.random.split(apply_key, num_layers)
+  return LayerKeys(init_keys, apply_keys)
+
+
+class LayerSlice(NamedTuple):
+  """One layer's share of a stack: what each step of the loop reads."""
+
+  params: PyTree
+  state: PyTree
+  rng: Optional[jax.Array]
+  sliced: PyTree       # the per-layer arguments, by BlockArguments key
+  index: jax.Array     # int32: what layer_index() returns
+
+
+class LayerResult(NamedTuple):
+  """What each step of the loop gives back besides the carry."""
+
+  y: PyTree            # the block's per-layer output (None for a fold)
+  state: PyTree        # the layer's new Haiku state
+
+
+def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
+                kind: str, owner: str) -> tuple[PyTree, LayerResult]:
+  """Applies one layer to the carry: the body of every stack's loop."""
+  with at_layer(layer.index):
+    out, new_state = inner.apply(layer.params, layer.state, layer.rng, x,
+                                 layer.sliced)
+  new_x, y = _checks.split_block_output(out, x, kind, owner)
+  return new_x, LayerResult(y, new_state)
+
+
+# ---------------------------------------------------------------------------
+# The module both stacks are.
+
+
+class StackModule(hk.Module):
+  """A block repeated ``num_layers`` times; subclasses say how the layers run.
+
+  Owns the constructor's checks and the public ``fold``/``scan``; a subclass
+  implements :meth:`run_layers`.
+  """
+
+  def __init__(self, make_block: Callable[[], Callable[..., Any]], num_layers: int,
+               *, remat: policy_lib.RematSpec = False, reverse: bool = False,
+               name: Optional[str] = None):
+    super().__init__(name=name)
+    owner = type(self).__name__
+    _checks.check_factory(make_block, owner)
+    self.make_block = make_block
+    self.num_layers = _checks.check_num_layers(num_layers, owner)
+    self.policy = policy_lib.CheckpointPolicy.from_remat(remat)
+    self.reverse = reverse
+
+  def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+    """Applies every layer to the carry ``x``; the block returns the new ``x``.
+
+    Args:
+      x: the carry (the residual stream), any pytree of arrays.
+      *args: further block arguments; broadcast to every layer unless wrapped
+        in :func:`per_layer`.
+      **kwargs: likewise.
+
+    Returns:
+      ``x`` after the last layer.
+    """
+    x, _ = self._apply(x, args, kwargs, kind="fold")
+    return x
+
+  def scan(self, x: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, PyTree]:
+    """Like :meth:`fold` for a block that returns ``(x, y)``.
+
+    Args:
+      x: the carry.
+      *args: as in :meth:`fold`.
+      **kwargs: as in :meth:`fold`.
+
+    Returns:
+      ``(x, ys)``: ``x`` after the last layer and every layer's ``y`` stacked
+      on a leading ``num_layers`` axis.
+    """
+    return self._apply(x, args, kwargs, kind="scan")
+
+  def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
+                 arguments: BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
+    """Inits and applies every layer; returns ``(x, ys)`` (``ys`` None for a fold).
+
+    Haiku scopes the modules a method creates under ``~<method>``, so an
+    override is decorated with ``@StackModule.layer_scope`` to keep the
+    block's parameters directly under the stack's name.
+    """
+    raise NotImplementedError
+
+  #: Decorates :meth:`run_layers`: names it like ``__call__`` for Haiku.
+  layer_scope = staticmethod(hk.experimental.name_like("__call__"))
+
+  # Named like __call__ so that fold and scan create the same parameter names
+  # (Haiku would otherwise scope modules made inside fold under "~fold").
+  @hk.experimental.name_like("__call__")
+  def _apply(self, x, args, kwargs, *, kind):
+    owner = type(self).__name__
+    if isinstance(x, PerLayer):
+      raise TypeError(f"{owner}.{kind}: the carry x cannot be per_layer; only "
+                      "the arguments after it can be.")
+    arguments = BlockArguments(args, kwargs, self.num_layers, owner)
+
+    def block_call(x, *a, **k):
+      return self.make_block()(x, *a, **k)
+
+    return self.run_layers(make_inner(block_call, arguments), x, arguments, kind)
