@@ -10,6 +10,8 @@ same thing about the same mistake.
 from __future__ import annotations
 
 import builtins
+import difflib
+import math
 import operator
 from typing import Any, Optional, Union
 
@@ -35,9 +37,25 @@ def describe(value: Any) -> str:
   return f"a {type(value).__name__}"
 
 
+def dtype_of(leaf: Any) -> Any:
+  """The dtype of an array-like leaf, typed PRNG keys (``key<fry>``) included.
+
+  ``jnp.result_type`` refuses key dtypes, so an array's own ``dtype`` comes
+  first; Python scalars fall back to ``jnp.result_type``.
+  """
+  dtype = getattr(leaf, "dtype", None)
+  return jnp.result_type(leaf) if dtype is None else dtype
+
+
+def nbytes(leaf: Any, skip_leading: bool = False) -> int:
+  """Bytes of an array-like leaf (without its leading axis if asked)."""
+  shape = jnp.shape(leaf)[1 if skip_leading else 0:]
+  return math.prod(shape) * dtype_of(leaf).itemsize
+
+
 def signature(leaf: Any) -> tuple[tuple[int, ...], Any]:
   """``(shape, dtype)`` of an array-like leaf."""
-  return tuple(jnp.shape(leaf)), jnp.result_type(leaf)
+  return tuple(jnp.shape(leaf)), dtype_of(leaf)
 
 
 def path_str(prefix: str, path: Any) -> str:
@@ -94,8 +112,28 @@ def check_length(length: Any) -> int:
   return value
 
 
+def check_nested_outer(nested: Any, length: int, owner: str = "") -> None:
+  """An explicit outer-loop size must not exceed the loop's length."""
+  if nested is True or nested is False or nested <= length:
+    return
+  where = f"{owner}: " if owner else ""
+  raise ValueError(
+      f"{where}CheckpointPolicy(nested={nested}) asks for {nested} outer chunks, "
+      f"but the loop has only {length} steps. Use nested=True to let stacktools "
+      f"choose the split, or an outer size between 1 and {length}.")
+
+
 def check_factory(make_block: Any, owner: str) -> None:
   """``make_block`` must be a factory, not a block instance."""
+  # Imported here so that the pure-JAX loops, which share this module, do not
+  # pull in Haiku.
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  if isinstance(make_block, hk.Module):
+    raise TypeError(
+        f"{owner} got a module instance, {type(make_block).__name__}, as "
+        "make_block, but it needs a factory that makes the block inside the "
+        f"stack: pass a factory (a class or a lambda), e.g. {owner}("
+        f"lambda: {type(make_block).__name__}(...), ...), not the module itself.")
   if not callable(make_block):
     raise TypeError(
         f"{owner} needs make_block, a factory (a class or a lambda) that returns "
@@ -228,3 +266,55 @@ def split_block_output(out: Any, x: PyTree, kind: str, owner: str) -> tuple[Any,
         f"returned {describe(out)}. A block that returns only x is a fold "
         f"block: use {owner}.fold.")
   return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------
+# Names a checkpoint policy refers to.
+
+
+def names_tagged_in(fn: Any, *args: Any) -> set[str]:
+  """Every name given to ``checkpoint_name`` when ``fn(*args)`` is traced.
+
+  Walks the jaxpr, sub-jaxprs (scans, conds, checkpoints, jits) included, so
+  names tagged with ``jax.ad_checkpoint.checkpoint_name`` count too.
+  """
+  names: set[str] = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "name":
+        names.add(eqn.params["name"])
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)    # a ClosedJaxpr holds a Jaxpr
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+def check_names_tagged(wanted: Any, step: Any, carry: PyTree, x: PyTree, *,
+                       reserved: Any = ()) -> None:
+  """Every name a policy saves or offloads must be tagged in the block.
+
+  A name that nothing tags (a typo, or a tag removed from the block) would
+  otherwise save nothing, silently.
+  """
+  tagged = names_tagged_in(step, carry, x) - set(reserved)
+  missing = [name for name in wanted if name not in tagged]
+  if not missing:
+    return
+  hints = []
+  for name in missing:
+    close = difflib.get_close_matches(name, sorted(tagged), n=1)
+    if close:
+      hints.append(f" ({name!r}: did you mean {close[0]!r}?)")
+  tagged_list = sorted(tagged) if tagged else "no names"
+  raise ValueError(
+      f"The checkpoint policy saves or offloads the block internals {missing}, "
+      "but no block tags a value with "
+      f"{'that name' if len(missing) == 1 else 'those names'}, so nothing would "
+      f"be saved for it. The block tags {tagged_list}{''.join(hints)}. Fix the "
+      "name in the policy, or tag the value in the block with "
+      "st.checkpoint_name(value, name).")

@@ -238,6 +238,7 @@ class StackModule(hk.Module):
     self.make_block = make_block
     self.num_layers = _checks.check_num_layers(num_layers, owner)
     self.policy = policy_lib.CheckpointPolicy.from_remat(remat)
+    _checks.check_nested_outer(self.policy.nested, self.num_layers, owner)
     self.reverse = reverse
 
   def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:

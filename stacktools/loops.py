@@ -184,7 +184,7 @@ def nested_split(length: int, nested: Union[bool, int], *, carry_bytes: float = 
   Args:
     length: the number of steps.
     nested: ``True`` to choose the split, or an int number of full outer
-      chunks.
+      chunks, at most ``length``.
     carry_bytes: the size of the carry.
     layer_bytes: the size of one step's slice of ``xs``.
     largest_leaf_bytes: the size of the largest leaf of one step's slice.
@@ -193,6 +193,9 @@ def nested_split(length: int, nested: Union[bool, int], *, carry_bytes: float = 
     ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
     ``outer`` chunks of ``inner`` steps, then one chunk of ``remainder``
     steps when ``remainder > 0``.
+
+  Raises:
+    ValueError: when ``nested`` is an int larger than ``length``.
   """
   if length < 1:
     raise ValueError(f"A nested loop needs length >= 1, got {length}.")
@@ -207,7 +210,8 @@ def nested_split(length: int, nested: Union[bool, int], *, carry_bytes: float = 
     inner = min(range(1, length + 1), key=peak_bytes)
     outer, remainder = divmod(length, inner)
     return outer, inner, remainder
-  outer = min(int(nested), length)
+  _checks.check_nested_outer(nested, length)
+  outer = int(nested)
   inner, remainder = divmod(length, outer)
   return outer, inner, remainder
 
@@ -226,14 +230,11 @@ def _loop(step, init, xs, n, policy, unroll, reverse):
 
 
 def _nested_loop(step, init, xs, n, policy, unroll, reverse):
-  def nbytes(leaf, skip_leading=False):
-    shape = jnp.shape(leaf)[1 if skip_leading else 0:]
-    return math.prod(shape) * jnp.dtype(jnp.result_type(leaf)).itemsize
-
-  layer_leaf_bytes = [nbytes(a, True) for a in jax.tree_util.tree_leaves(xs)]
+  layer_leaf_bytes = [_checks.nbytes(a, skip_leading=True)
+                      for a in jax.tree_util.tree_leaves(xs)]
   outer, inner, remainder = nested_split(
       n, policy.nested,
-      carry_bytes=sum(nbytes(c) for c in jax.tree_util.tree_leaves(init)) or 1,
+      carry_bytes=sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(init)) or 1,
       layer_bytes=sum(layer_leaf_bytes), largest_leaf_bytes=max(layer_leaf_bytes, default=0))
   inner_step = policy.inner().checkpoint_step(step)
 

@@ -49,7 +49,8 @@ def unstack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
     A new dict; modules under ``prefix`` are split along their leading axis.
 
   Raises:
-    ValueError: when nothing lies under ``prefix`` or the leading axes differ.
+    ValueError: when nothing lies under ``prefix``, the leading axes differ,
+      or the modules under ``prefix`` are already in the BlockSeq layout.
   """
   _check_prefix(prefix)
   stacked = {k: v for k, v in params.items() if _under(k, prefix)}
@@ -57,6 +58,7 @@ def unstack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
     raise ValueError(
         f"unstack_params: no module is named {prefix!r} or lies under it; the "
         f"modules are {sorted(params)}. Pass the Stacked module's full name.")
+  _check_not_unstacked(stacked, prefix)
   num_layers = _common_leading_axis(stacked, prefix)
   out = {k: dict(v) for k, v in params.items() if not _under(k, prefix)}
   for key, bundle in stacked.items():
@@ -85,7 +87,7 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
       layers do not all hold the same modules and names for ``i = 0..N-1``.
   """
   _check_prefix(prefix)
-  pattern = re.compile(re.escape(prefix) + r"/layer_(\d+)(/.*)?$")
+  pattern = _layer_pattern(prefix)
   layers: dict[str, dict[int, Mapping[str, Any]]] = {}
   out = {}
   for key, bundle in params.items():
@@ -122,6 +124,33 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
         name: _stack([by_index[i][name] for i in range(num_layers)])
         for name in sorted(names)}
   return out
+
+
+def _layer_pattern(prefix: str) -> re.Pattern[str]:
+  """Matches ``<prefix>/layer_<i>[/...]``, capturing ``i`` and the rest."""
+  return re.compile(re.escape(prefix) + r"/layer_(\d+)(/.*)?$")
+
+
+def _check_not_unstacked(stacked: Bundle, prefix: str) -> None:
+  """Refuses params whose every module under ``prefix`` is ``layer_<i>``.
+
+  Unstacking them again would split each layer's own leading axis (a square
+  weight's rows) into ``layer_<i>/layer_<j>`` modules: a wrong tree, silently.
+  """
+  pattern = _layer_pattern(prefix)
+  indices = set()
+  for key in stacked:
+    match = pattern.match(key)
+    if match is None:
+      return
+    indices.add(int(match.group(1)))
+  if indices == set(range(len(indices))):
+    raise ValueError(
+        f"unstack_params: the params under {prefix!r} look unstacked already: "
+        f"every module is {prefix}/layer_<i>/... for layers 0..{len(indices) - 1} "
+        "(the BlockSeq layout). unstack_params takes the Stacked layout; use "
+        f"st.stack_params(params, {prefix!r}) to go back to it, or pass them on "
+        "as they are.")
 
 
 def _stack(values):

@@ -17,14 +17,18 @@ offload to host memory, everything else recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
+
+from stacktools import _checks
 
 T = TypeVar("T")
 
@@ -71,7 +75,30 @@ def checkpoint_name(tree: T, name: str) -> T:
       return _jax_checkpoint_name(leaf, name)
     return leaf
 
+  for names in _names_being_recorded():
+    names.add(name)
   return jax.tree_util.tree_map(tag, tree)
+
+
+_local = threading.local()
+
+
+def _names_being_recorded() -> list[set[str]]:
+  """One set per checkpointed step being traced, innermost last."""
+  if not hasattr(_local, "recorders"):
+    _local.recorders = []
+  return _local.recorders
+
+
+@contextlib.contextmanager
+def _recording_names() -> Iterator[set[str]]:
+  """Collects the names given to checkpoint_name while a step is traced."""
+  names: set[str] = set()
+  _names_being_recorded().append(names)
+  try:
+    yield names
+  finally:
+    _names_being_recorded().pop()
 
 
 def _check_save_option(field: str, value: Any) -> None:
@@ -191,6 +218,11 @@ class CheckpointPolicy:
             "offload_block_internals; a value is either kept on device or "
             "offloaded to host, so list each name in one of them.")
 
+  def named_internals(self) -> tuple[str, ...]:
+    """The names of block internals this policy saves or offloads."""
+    saved = () if isinstance(self.save_block_internals, bool) else self.save_block_internals
+    return tuple(saved) + tuple(self.offload_block_internals)
+
   @property
   def offloads_anything(self) -> bool:
     return (self.save_carries == "offload" or self.save_inputs == "offload" or
@@ -284,12 +316,21 @@ class CheckpointPolicy:
     # only to offload it.
     tag_carry = self.save_carries == "offload"
 
+    wanted = self.named_internals()
+
     def named_step(carry, x):
       if tag_inputs:
         x = checkpoint_name(x, INPUT_NAME)
       if tag_carry:
         carry = checkpoint_name(carry, CARRY_NAME)
-      return step(carry, x)
+      with _recording_names() as tagged:
+        out = step(carry, x)
+      if not set(wanted) <= tagged:
+        # Recorded names cover st.checkpoint_name only; a block may also tag
+        # with jax.ad_checkpoint.checkpoint_name, which only its jaxpr shows.
+        _checks.check_names_tagged(wanted, step, carry, x,
+                                   reserved=_RESERVED_NAMES)
+      return out
 
     return jax.checkpoint(named_step, policy=self.jax_policy(),
                           prevent_cse=self.prevent_cse)

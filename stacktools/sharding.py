@@ -75,7 +75,8 @@ def fsdp_spec(shape: Sequence[int], layer_axes: int, fsdp_size: int,
 
 
 def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = None, *,
-                            stacked: Sequence[str] = (), fsdp_axis: str = "fsdp",
+                            stacked: Sequence[str] = (),
+                            fsdp_axis: Optional[str] = None,
                             fsdp_size: Optional[int] = None) -> PyTree:
   """PartitionSpecs for Haiku parameters (or optimizer state) with stacks.
 
@@ -90,27 +91,43 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
     tree: Haiku params ``{module: {name: array}}``, or any pytree whose array
       leaves sit under ``[module][name]`` keys (optax states); other leaves
       (step counts) are replicated.
-    mesh: the device mesh; its ``fsdp_axis`` size is the shard count (an
-      absent axis means no sharding). Or pass ``fsdp_size`` instead.
-    stacked: the full module names of the stacks in the model.
-    fsdp_axis: the mesh axis that parameters are sharded over.
+    mesh: the device mesh; its ``fsdp_axis`` size is the shard count. Or
+      pass ``fsdp_size`` instead.
+    stacked: the full module names of the stacks in the model; each must
+      hold at least one leaf of ``tree``.
+    fsdp_axis: the mesh axis that parameters are sharded over; it must be an
+      axis of ``mesh``. By default ``"fsdp"`` when the mesh has such an axis,
+      and no sharding (everything replicated) when it does not.
     fsdp_size: the shard count, when no mesh is given.
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tree``.
+
+  Raises:
+    ValueError: for an ``fsdp_axis`` that the mesh lacks, or a name in
+      ``stacked`` that no leaf of ``tree`` lies under.
   """
   if isinstance(stacked, str):
     stacked = (stacked,)
   if fsdp_size is None:
     if mesh is None:
       raise ValueError("stacked_partition_specs needs a mesh or fsdp_size=.")
-    fsdp_size = dict(mesh.shape).get(fsdp_axis, 1)
+    axes = dict(mesh.shape)
+    if fsdp_axis is not None and fsdp_axis not in axes:
+      raise ValueError(
+          f"stacked_partition_specs: fsdp_axis={fsdp_axis!r} is not an axis of "
+          f"the mesh, whose axes are {list(axes)}. Pass one of those, or leave "
+          "fsdp_axis unset to shard over 'fsdp' when the mesh has it.")
+    fsdp_axis = fsdp_axis or "fsdp"
+    fsdp_size = axes.get(fsdp_axis, 1)
+  fsdp_axis = fsdp_axis or "fsdp"
+  _check_stacks_exist(tree, stacked)
 
   def spec(path, leaf):
     shape = getattr(leaf, "shape", ())
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    module = keys[-2] if len(keys) >= 2 else ""
-    layer_axes = num_layer_axes(str(module), stacked)
+    module = _module_of(path)
+    layer_axes = num_layer_axes(module, stacked)
     if layer_axes > len(shape):
       raise ValueError(
           f"{module}/{keys[-1]} has shape {tuple(shape)}, which has fewer than the "
@@ -119,3 +136,25 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
     return fsdp_spec(shape, layer_axes, fsdp_size, fsdp_axis)
 
   return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def _module_of(path: Any) -> str:
+  """The Haiku module name in a leaf's path: the key before the last."""
+  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+  return str(keys[-2]) if len(keys) >= 2 else ""
+
+
+def _check_stacks_exist(tree: PyTree, stacked: Sequence[str]) -> None:
+  """Each name in ``stacked`` must have at least one leaf under it."""
+  modules = {_module_of(path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  modules.discard("")
+  for name in stacked:
+    if not any(num_layer_axes(m, [name]) for m in modules):
+      shown = sorted(modules)
+      more = f" and {len(shown) - 20} more" if len(shown) > 20 else ""
+      raise ValueError(
+          f"stacked_partition_specs: stacked={list(stacked)} names {name!r}, but "
+          f"no parameter lies under it, so its Layers axis would be sharded "
+          f"like any other axis. The modules are {shown[:20]}{more}; pass the "
+          "full name of each stack (e.g. 'model/h').")

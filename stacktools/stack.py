@@ -122,9 +122,15 @@ class _LayerStackScope(hk.Module):
 def _check_no_varargs(f: Callable[..., Any]) -> None:
   params = list(inspect.signature(f).parameters.values())
   if params and params[0].kind == inspect.Parameter.VAR_POSITIONAL:
+    name = getattr(f, "__qualname__", None) or f"{type(f).__qualname__}.__call__"
+    # Starts with hk.layer_stack's own wording (its `f` is the parameter's
+    # name, whatever the function), so code that matches Haiku's error keeps
+    # working.
     raise ValueError(
-        "layer_stack: the function must not take *args; name its positional "
-        "arguments explicitly (def f(x, y): ...), as hk.layer_stack requires.")
+        "layer_stack: The function `f` should not have any `varargs` (that is "
+        f"*args) argument. `{name.split('.<locals>.')[-1]}` must not take "
+        "*args: name its positional arguments explicitly (def f(x, y): ...), "
+        "as hk.layer_stack requires.")
 
 
 def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,

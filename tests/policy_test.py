@@ -266,7 +266,7 @@ def test_checkpoint_name_needs_string(name):
 
 
 @pytest.mark.parametrize("listed", [
-    (), ("pre",), ("other",), ("pre", "other"), ("other", "unused"),
+    (), ("pre",), ("other",), ("pre", "other"),
 ])
 def test_named_internal_saved_exactly_when_listed(listed):
   policy = st.CheckpointPolicy(save_block_internals=list(listed))
@@ -276,6 +276,13 @@ def test_named_internal_saved_exactly_when_listed(listed):
     assert len(_named(residuals, name)) == expected, (name, residuals)
   # Nothing unnamed from inside the block: the rest is recomputed.
   assert not [d for _, d in residuals if "output of" in d], residuals
+
+
+def test_name_the_step_does_not_tag_is_an_error():
+  policy = st.CheckpointPolicy(save_block_internals=["other", "unused"])
+  with pytest.raises(ValueError, match=r"\['unused'\], but no block tags a value "
+                     r"with that name.*The block tags \['other', 'pre'\]"):
+    _step_residuals(policy)
 
 
 def test_default_policy_keeps_only_carry_and_input():
