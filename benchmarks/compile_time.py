@@ -30,21 +30,24 @@ from typing import Any, Optional
 if __package__ in (None, ""):
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # pylint: disable=wrong-import-position
+from benchmarks import contenders  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import instruments  # pylint: disable=wrong-import-position
+from benchmarks import models  # pylint: disable=wrong-import-position
 
 NAME = "compile_time"
 IMPLS = ("stacked", "hk_layer_stack", "blockseq")
 
 
-def measure(contender: common.Contender, x) -> dict[str, float]:
+def measure(contender: contenders.Contender, x) -> dict[str, float]:
   """Wall and CPU seconds to trace/lower and to compile a fresh jitted step."""
   params = contender.abstract_params(x)
   step = contender.grad_step()
-  (w0, c0) = common.clocks()
+  (w0, c0) = instruments.clocks()
   lowered = step.lower(params, x)
-  (w1, c1) = common.clocks()
+  (w1, c1) = instruments.clocks()
   lowered.compile()
-  (w2, c2) = common.clocks()
+  (w2, c2) = instruments.clocks()
   return {"trace_s": w1 - w0, "compile_s": w2 - w1, "total_s": w2 - w0,
           "cpu_trace_s": c1 - c0, "cpu_compile_s": c2 - c1, "cpu_total_s": c2 - c0}
 
@@ -81,9 +84,9 @@ def markdown(payload: dict[str, Any]) -> str:
     if table:
       cells = [f"{table[d]['total_s']:.2f} ({table[d]['trace_s']:.2f} + "
                f"{table[d]['compile_s']:.2f})" if d in table else "" for d in depths]
-      lines.append(f"| {common.IMPL_LABELS[impl]}: wall | " + " | ".join(cells) + " |")
+      lines.append(f"| {contenders.IMPL_LABELS[impl]}: wall | " + " | ".join(cells) + " |")
       cells = [f"{table[d]['cpu_total_s']:.2f}" if d in table else "" for d in depths]
-      lines.append(f"| {common.IMPL_LABELS[impl]}: CPU | " + " | ".join(cells) + " |")
+      lines.append(f"| {contenders.IMPL_LABELS[impl]}: CPU | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -102,16 +105,16 @@ def draw(payload: dict[str, Any]):
       depths, totals, traces = zip(*pts)
       style, marker = styles[impl]
       line, = ax.plot(depths, totals, linestyle=style, marker=marker,
-                      label=f"{common.IMPL_LABELS[impl]}: trace + compile, wall")
+                      label=f"{contenders.IMPL_LABELS[impl]}: trace + compile, wall")
       ax.plot(depths, traces, linestyle=style, color=line.get_color(), alpha=0.35,
-              label=f"{common.IMPL_LABELS[impl]}: trace only, wall")
+              label=f"{contenders.IMPL_LABELS[impl]}: trace only, wall")
       cpu = [r["cpu_total_s"] for r in sorted((r for r in rows if r["impl"] == impl),
                                                key=lambda r: r["num_layers"])]
       ax.plot(depths, cpu, linestyle="none", marker=marker, markerfacecolor="none",
               markersize=10, color=line.get_color(),
-              label=f"{common.IMPL_LABELS[impl]}: trace + compile, CPU time")
+              label=f"{contenders.IMPL_LABELS[impl]}: trace + compile, CPU time")
     ax.set_yscale("log")
-    common.depth_axis(ax, [r["num_layers"] for r in rows])
+    harness.depth_axis(ax, [r["num_layers"] for r in rows])
     ax.set_ylabel("seconds to trace + compile one gradient step (s)")
     ax.set_ylim(bottom=0.03)
     ax.set_title(f"Compile time vs depth ({cfg['model']}, remat={cfg['remat']}, "
@@ -124,13 +127,13 @@ def draw(payload: dict[str, Any]):
 
 
 def build_parser():
-  p = common.parser(__doc__)
+  p = harness.parser(__doc__)
   p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
-  p.add_argument("--remat", choices=common.POLICIES, default="full",
+  p.add_argument("--remat", choices=contenders.POLICIES, default="full",
                  help="the policy every contender uses")
-  p.add_argument("--depths", type=common.int_list, default=[4, 8, 16, 32, 64],
+  p.add_argument("--depths", type=harness.int_list, default=[4, 8, 16, 32, 64],
                  help="depths for the scanned contenders")
-  p.add_argument("--blockseq_depths", type=common.int_list, default=[4, 8, 16, 32],
+  p.add_argument("--blockseq_depths", type=harness.int_list, default=[4, 8, 16, 32],
                  help="depths for st.BlockSeq (unrolled, so slow to compile)")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--flat_at", type=int, default=64,
@@ -148,12 +151,12 @@ QUICK = ["--depths", "2,4", "--blockseq_depths", "2", "--repeats", "1", "--flat_
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = common.parse_args(build_parser, QUICK, argv)
-  cfg = common.model_config(args)
-  x = common.example_input(cfg)
+  args = harness.parse_args(build_parser, QUICK, argv)
+  cfg = models.model_config(args)
+  x = models.example_input(cfg)
   start = time.perf_counter()
   if not args.quick:  # The smoke test only checks that the script runs.
-    measure(common.build("stacked", args.remat, cfg, 2), x)  # warm-up, untimed
+    measure(contenders.build("stacked", args.remat, cfg, 2), x)  # warm-up, untimed
   depths = sorted(set(args.depths) | set(args.blockseq_depths))
   repeats: dict[tuple[str, int], list[dict[str, float]]] = {}
   # Repeats outermost, directions alternating, so that a drift in the
@@ -162,19 +165,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for depth in (depths if repeat % 2 == 0 else depths[::-1]):
       impls = [i for i in IMPLS if depth in (args.blockseq_depths if i == "blockseq"
                                               else args.depths)]
-      impls = [i for i in impls if common.supports(i, args.remat, depth)]
+      impls = [i for i in impls if contenders.supports(i, args.remat, depth)]
       for impl in (impls if repeat % 2 == 0 else impls[::-1]):
-        times = measure(common.build(impl, args.remat, cfg, depth), x)
-        common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: trace {times['trace_s']:.2f}s"
-                   f" compile {times['compile_s']:.2f}s (cpu {times['cpu_total_s']:.2f}s)")
+        times = measure(contenders.build(impl, args.remat, cfg, depth), x)
+        harness.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: trace {times['trace_s']:.2f}s"
+                    f" compile {times['compile_s']:.2f}s (cpu {times['cpu_total_s']:.2f}s)")
         repeats.setdefault((impl, depth), []).append(times)
-  best = {k: common.fastest(v) for k, v in repeats.items()}
+  best = {k: instruments.fastest(v) for k, v in repeats.items()}
   rows = [{"impl": impl, "num_layers": depth, **times}
           for (impl, depth), times in sorted(best.items(), key=lambda kv: (
               IMPLS.index(kv[0][0]), kv[0][1]))]
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": common.command_line(),
+      "command": harness.command_line(),
       "quick": args.quick,
       "config": {"model": args.model, "model_config": cfg.describe(), "remat": args.remat,
                  "depths": args.depths, "blockseq_depths": args.blockseq_depths,
@@ -187,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "summary": summarise(rows, args.flat_at, args.flat_target),
       "seconds": time.perf_counter() - start,
   }
-  return common.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

@@ -30,23 +30,26 @@ if __package__ in (None, ""):
 
 import jax  # pylint: disable=wrong-import-position
 
-from benchmarks import common  # pylint: disable=wrong-import-position
+from benchmarks import contenders  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import instruments  # pylint: disable=wrong-import-position
+from benchmarks import models  # pylint: disable=wrong-import-position
 
 NAME = "init_time"
 IMPLS = ("stacked", "hk_layer_stack")
 PHASES = ("trace_s", "compile_s", "run_s")
 
 
-def measure(contender: common.Contender, x: jax.Array) -> dict[str, float]:
+def measure(contender: contenders.Contender, x: jax.Array) -> dict[str, float]:
   """Seconds to trace, compile and run a fresh ``jax.jit(init)``."""
   key = jax.random.PRNGKey(0)
-  w0, c0 = common.clocks()
+  w0, c0 = instruments.clocks()
   lowered = jax.jit(contender.init).lower(key, x)
-  w1, c1 = common.clocks()
+  w1, c1 = instruments.clocks()
   compiled = lowered.compile()
-  w2, c2 = common.clocks()
-  common.block(compiled(key, x))
-  w3, c3 = common.clocks()
+  w2, c2 = instruments.clocks()
+  instruments.block(compiled(key, x))
+  w3, c3 = instruments.clocks()
   return {"trace_s": w1 - w0, "compile_s": w2 - w1, "run_s": w3 - w2, "total_s": w3 - w0,
           "cpu_trace_s": c1 - c0, "cpu_compile_s": c2 - c1, "cpu_run_s": c3 - c2,
           "cpu_total_s": c3 - c0}
@@ -104,7 +107,7 @@ def draw(payload: dict[str, Any]):
     ax_run.set_yscale("log")
     ax_run.set_ylabel("seconds (s)")
     for ax in (ax_total, ax_run):
-      common.depth_axis(ax, [r["num_layers"] for r in rows])
+      harness.depth_axis(ax, [r["num_layers"] for r in rows])
       ax.grid(True, which="both", alpha=0.3)
       ax.legend(fontsize=8)
     return fig
@@ -113,9 +116,9 @@ def draw(payload: dict[str, Any]):
 
 
 def build_parser():
-  p = common.parser(__doc__)
+  p = harness.parser(__doc__)
   p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
-  p.add_argument("--depths", type=common.int_list, default=[4, 16, 64, 256, 1024])
+  p.add_argument("--depths", type=harness.int_list, default=[4, 16, 64, 256, 1024])
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--batch", type=int, default=8)
@@ -129,24 +132,24 @@ QUICK = ["--depths", "2", "--repeats", "1", "--width", "16", "--batch", "2",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = common.parse_args(build_parser, QUICK, argv)
-  cfg = common.model_config(args)
-  x = common.example_input(cfg)
+  args = harness.parse_args(build_parser, QUICK, argv)
+  cfg = models.model_config(args)
+  x = models.example_input(cfg)
   start = time.perf_counter()
   if not args.quick:  # The smoke test only checks that the script runs.
-    measure(common.build("stacked", "none", cfg, 2), x)  # warm-up, untimed
+    measure(contenders.build("stacked", "none", cfg, 2), x)  # warm-up, untimed
   repeats: dict[tuple[str, int], list[dict[str, float]]] = {}
   # Repeats outermost, directions alternating, so that a drift in the
   # machine's load over the run reaches every depth and contender alike.
   for repeat in range(args.repeats):
     for depth in (args.depths if repeat % 2 == 0 else args.depths[::-1]):
       for impl in (IMPLS if repeat % 2 == 0 else IMPLS[::-1]):
-        times = measure(common.build(impl, "none", cfg, depth), x)
-        common.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: " +
-                   " ".join(f"{k[:-2]} {times[k]:.2f}s" for k in PHASES) +
-                   f" (cpu {times['cpu_total_s']:.2f}s)")
+        times = measure(contenders.build(impl, "none", cfg, depth), x)
+        harness.log(f"{impl:15s} L={depth:<4d} repeat {repeat}: " +
+                    " ".join(f"{k[:-2]} {times[k]:.2f}s" for k in PHASES) +
+                    f" (cpu {times['cpu_total_s']:.2f}s)")
         repeats.setdefault((impl, depth), []).append(times)
-  best = {k: common.fastest(v) for k, v in repeats.items()}
+  best = {k: instruments.fastest(v) for k, v in repeats.items()}
   rows = [{"impl": impl, "num_layers": depth, **best[(impl, depth)]}
           for impl in IMPLS for depth in args.depths]
   def ratio(key):
@@ -154,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for d in args.depths}
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": common.command_line(),
+      "command": harness.command_line(),
       "quick": args.quick,
       "config": {"model": args.model, "model_config": cfg.describe(), "depths": args.depths,
                  "repeats": args.repeats,
@@ -169,7 +172,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   "deepest": max(args.depths)},
       "seconds": time.perf_counter() - start,
   }
-  return common.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

@@ -36,20 +36,23 @@ from typing import Any, Optional
 if __package__ in (None, ""):
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # pylint: disable=wrong-import-position
+from benchmarks import contenders  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import instruments  # pylint: disable=wrong-import-position
+from benchmarks import models  # pylint: disable=wrong-import-position
 
 NAME = "memory"
 MiB = 2 ** 20
 GUIDE_POLICIES = ("none", "full", "nested")
 
 
-def configs(args) -> dict[str, common.ModelConfig]:
+def configs(args) -> dict[str, models.ModelConfig]:
   """The model configurations ``args`` asks for."""
   out = {}
   if "mlp" in args.models:
-    out["mlp"] = common.ModelConfig("mlp", width=args.mlp_width, batch=args.mlp_batch)
+    out["mlp"] = models.ModelConfig("mlp", width=args.mlp_width, batch=args.mlp_batch)
   if "gpt" in args.models:
-    out["gpt"] = common.ModelConfig("gpt", width=args.gpt_width, batch=args.gpt_batch,
+    out["gpt"] = models.ModelConfig("gpt", width=args.gpt_width, batch=args.gpt_batch,
                                     seq_len=args.gpt_seq_len, heads=args.gpt_heads)
   return out
 
@@ -63,7 +66,7 @@ def plan(args) -> list[tuple[str, str, int]]:
   for impl in ("hk_layer_stack", "lax_scan"):
     for depth in args.alt_depths:
       for policy in args.alt_policies:
-        if common.supports(impl, policy, depth):
+        if contenders.supports(impl, policy, depth):
           runs.append((impl, policy, depth))
   for depth in args.blockseq_depths:
     for policy in args.blockseq_policies:
@@ -72,7 +75,7 @@ def plan(args) -> list[tuple[str, str, int]]:
 
 
 def guide_prediction(rows: list[dict[str, Any]], model: str,
-                     cfg: common.ModelConfig) -> Optional[dict[str, Any]]:
+                     cfg: models.ModelConfig) -> Optional[dict[str, Any]]:
   """C and I from the Stacked none/full slopes, and the guide's predictions."""
   def series(policy):
     points = sorted((r["num_layers"], r["temp_bytes"]) for r in rows
@@ -84,8 +87,8 @@ def guide_prediction(rows: list[dict[str, Any]], model: str,
   depths_full, full = series("full")
   if len(depths_none) < 2 or len(depths_full) < 2:
     return None
-  _, slope_none = common.fit_line(depths_none, none)
-  _, slope_full = common.fit_line(depths_full, full)
+  _, slope_none = instruments.fit_line(depths_none, none)
+  _, slope_full = instruments.fit_line(depths_full, full)
   c_bytes = slope_full
   i_bytes = slope_none - slope_full
   formulas = {
@@ -116,10 +119,10 @@ def guide_prediction(rows: list[dict[str, Any]], model: str,
   }
 
 
-def summarise(rows: list[dict[str, Any]], models: list[str]) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], model_names: list[str]) -> dict[str, Any]:
   """Per model, at the deepest Stacked depth: the bytes of each policy, in order."""
   out = {}
-  for model in models:
+  for model in model_names:
     stacked = [r for r in rows if r["model"] == model and r["impl"] == "stacked"]
     deepest = max(r["num_layers"] for r in stacked)
     at = {r["policy"]: r["temp_bytes"] for r in stacked if r["num_layers"] == deepest}
@@ -151,7 +154,7 @@ def markdown(payload: dict[str, Any]) -> str:
   for model in payload["config"]["models"]:
     stacked = [r for r in rows if r["model"] == model and r["impl"] == "stacked"]
     depths = sorted({r["num_layers"] for r in stacked})
-    policies = [p for p in common.POLICIES if any(r["policy"] == p for r in stacked)]
+    policies = [p for p in contenders.POLICIES if any(r["policy"] == p for r in stacked)]
     lines.append(f"**{model}**: st.Stacked, compiled temp MiB of one gradient step")
     lines.append("")
     lines.append("| policy | " + " | ".join(f"L={d}" for d in depths) + " |")
@@ -172,21 +175,21 @@ def markdown(payload: dict[str, Any]) -> str:
     others = [r for r in rows if r["model"] == model and r["impl"] != "stacked"]
     if others:
       cols = sorted({(r["impl"], r["num_layers"]) for r in others},
-                    key=lambda c: (common.IMPLS.index(c[0]), c[1]))
+                    key=lambda c: (contenders.IMPLS.index(c[0]), c[1]))
       depths_alt = sorted({r["num_layers"] for r in others})
       lines.append(f"**{model}**: the same step written by hand, temp MiB "
                    "(st.Stacked in brackets)")
       lines.append("")
       head = []
-      for impl in common.IMPLS[1:]:
+      for impl in contenders.IMPLS[1:]:
         for d in depths_alt:
           if (impl, d) in cols:
             head.append((impl, d))
       lines.append("| policy | " + " | ".join(
-          f"{common.IMPL_LABELS[i].split(' (')[0]} L={d}" for i, d in head) + " |")
+          f"{contenders.IMPL_LABELS[i].split(' (')[0]} L={d}" for i, d in head) + " |")
       lines.append("|---|" + "---:|" * len(head))
       alt = {(r["impl"], r["policy"], r["num_layers"]): r["temp_bytes"] for r in others}
-      for policy in common.POLICIES:
+      for policy in contenders.POLICIES:
         if not any(k[1] == policy for k in alt):
           continue
         cells = []
@@ -213,13 +216,14 @@ STYLES = {"stacked": ("-", "o"), "blockseq": ("-.", "s"),
 def draw(payload: dict[str, Any]):
   """The figure: per model, Stacked vs the guide, and Stacked vs the alternatives."""
   rows = payload["measurements"]
-  models = list(payload["config"]["models"])
+  model_names = list(payload["config"]["models"])
 
   def fig_fn(plt):
-    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.8 * len(models)), squeeze=False)
-    for row, model in enumerate(models):
+    fig, axes = plt.subplots(len(model_names), 2, figsize=(13, 4.8 * len(model_names)),
+                             squeeze=False)
+    for row, model in enumerate(model_names):
       ax_guide, ax_alt = axes[row]
-      for policy in common.POLICIES:
+      for policy in contenders.POLICIES:
         pts = sorted((r["num_layers"], r["temp_bytes"] / MiB) for r in rows
                      if r["model"] == model and r["impl"] == "stacked"
                      and r["policy"] == policy)
@@ -236,7 +240,7 @@ def draw(payload: dict[str, Any]):
                          f"C = {guide['C_bytes_measured'] / MiB:.2f} MiB, "
                          f"I = {guide['I_bytes_measured'] / MiB:.2f} MiB (measured)"
                          if guide else f"{model}: st.Stacked, every policy")
-      for impl in common.IMPLS:
+      for impl in contenders.IMPLS:
         for policy in ("none", "full", "nested", "save_named"):
           pts = sorted((r["num_layers"], r["temp_bytes"] / MiB) for r in rows
                        if r["model"] == model and r["impl"] == impl
@@ -244,11 +248,11 @@ def draw(payload: dict[str, Any]):
           if pts:
             style, marker = STYLES[impl]
             ax_alt.plot(*zip(*pts), linestyle=style, marker=marker, color=COLORS[policy],
-                        label=f"{common.IMPL_LABELS[impl]}: {policy}")
+                        label=f"{contenders.IMPL_LABELS[impl]}: {policy}")
       ax_alt.set_title(f"{model}: the same policies written by hand")
       for ax in (ax_guide, ax_alt):
         ax.set_yscale("log")
-        common.depth_axis(ax, [r["num_layers"] for r in rows if r["model"] == model])
+        harness.depth_axis(ax, [r["num_layers"] for r in rows if r["model"] == model])
         ax.set_ylabel("compiled temp memory of one gradient step (MiB)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
@@ -258,39 +262,39 @@ def draw(payload: dict[str, Any]):
 
 
 def compiler_options(args, cfgs) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
-  """``common.FAST_COMPILE``, once checked to give the default's temp bytes."""
+  """``instruments.FAST_COMPILE``, once checked to give the default's temp bytes."""
   if args.exact_compile:
     return None, {"checked": False, "reason": "--exact_compile: XLA's defaults"}
   if args.quick:
-    return dict(common.FAST_COMPILE), {"checked": False, "reason": "--quick"}
+    return dict(instruments.FAST_COMPILE), {"checked": False, "reason": "--quick"}
   model, cfg = next(iter(cfgs.items()))
   policy = "nested" if "nested" in args.policies else args.policies[0]
-  contender = common.build("stacked", policy, cfg, max(args.depths), save_name=args.save_name)
-  x = common.example_input(cfg)
-  fast = common.temp_bytes(contender, x, common.FAST_COMPILE)
-  default = common.temp_bytes(contender, x)
+  contender = contenders.build("stacked", policy, cfg, max(args.depths), save_name=args.save_name)
+  x = models.example_input(cfg)
+  fast = instruments.temp_bytes(contender.lowered_step(x), instruments.FAST_COMPILE)
+  default = instruments.temp_bytes(contender.lowered_step(x))
   check = {"checked": True, "on": f"{model} stacked/{policy} L={max(args.depths)}",
            "default_bytes": default, "fast_bytes": fast, "equal": fast == default}
   if fast != default:
-    common.log(f"FAST_COMPILE changed the temp bytes ({fast} != {default}): using defaults")
+    harness.log(f"FAST_COMPILE changed the temp bytes ({fast} != {default}): using defaults")
     return None, check
-  return dict(common.FAST_COMPILE), check
+  return dict(instruments.FAST_COMPILE), check
 
 
 def build_parser():
-  p = common.parser(__doc__)
-  p.add_argument("--models", type=common.str_list(("mlp", "gpt")), default=["mlp", "gpt"])
-  p.add_argument("--depths", type=common.int_list, default=[4, 8, 16, 32, 64, 128],
+  p = harness.parser(__doc__)
+  p.add_argument("--models", type=harness.str_list(("mlp", "gpt")), default=["mlp", "gpt"])
+  p.add_argument("--depths", type=harness.int_list, default=[4, 8, 16, 32, 64, 128],
                  help="depths for st.Stacked, every policy")
-  p.add_argument("--alt_depths", type=common.int_list, default=[16, 64],
+  p.add_argument("--alt_depths", type=harness.int_list, default=[16, 64],
                  help="depths for hk.layer_stack and lax.scan, every policy")
-  p.add_argument("--blockseq_depths", type=common.int_list, default=[2, 4, 8],
+  p.add_argument("--blockseq_depths", type=harness.int_list, default=[2, 4, 8],
                  help="depths for st.BlockSeq (unrolled: its compile time grows)")
-  p.add_argument("--policies", type=common.str_list(common.POLICIES),
-                 default=list(common.POLICIES))
-  p.add_argument("--alt_policies", type=common.str_list(common.POLICIES),
-                 default=list(common.POLICIES))
-  p.add_argument("--blockseq_policies", type=common.str_list(common.POLICIES),
+  p.add_argument("--policies", type=harness.str_list(contenders.POLICIES),
+                 default=list(contenders.POLICIES))
+  p.add_argument("--alt_policies", type=harness.str_list(contenders.POLICIES),
+                 default=list(contenders.POLICIES))
+  p.add_argument("--blockseq_policies", type=harness.str_list(contenders.POLICIES),
                  default=["none", "full", "save_named"])
   p.add_argument("--save_name", default="mlp_hidden",
                  help="the internal that save_named keeps (mlp_hidden or, gpt only, attn_out)")
@@ -312,24 +316,24 @@ QUICK = ["--models", "gpt", "--depths", "1,2", "--policies", "none,full",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = common.parse_args(build_parser, QUICK, argv)
+  args = harness.parse_args(build_parser, QUICK, argv)
   cfgs = configs(args)
   start = time.perf_counter()
   options, options_check = compiler_options(args, cfgs)
   rows = []
   for model, cfg in cfgs.items():
-    x = common.example_input(cfg)
+    x = models.example_input(cfg)
     for impl, policy, depth in plan(args):
-      contender = common.build(impl, policy, cfg, depth, save_name=args.save_name)
+      contender = contenders.build(impl, policy, cfg, depth, save_name=args.save_name)
       t0 = time.perf_counter()
-      value = common.temp_bytes(contender, x, options)
+      value = instruments.temp_bytes(contender.lowered_step(x), options)
       rows.append({"model": model, "impl": impl, "policy": policy, "num_layers": depth,
                    "temp_bytes": value})
-      common.log(f"{model:4s} {impl:15s} {policy:11s} L={depth:<4d} "
-                 f"{value / MiB:9.2f} MiB  ({time.perf_counter() - t0:.1f}s)")
+      harness.log(f"{model:4s} {impl:15s} {policy:11s} L={depth:<4d} "
+                  f"{value / MiB:9.2f} MiB  ({time.perf_counter() - t0:.1f}s)")
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": common.command_line(),
+      "command": harness.command_line(),
       "quick": args.quick,
       "config": {
           "models": {m: c.describe() for m, c in cfgs.items()},
@@ -346,7 +350,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "summary": summarise(rows, list(cfgs)),
       "seconds": time.perf_counter() - start,
   }
-  return common.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

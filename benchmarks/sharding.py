@@ -60,7 +60,8 @@ import jax
 import numpy as np
 import optax
 
-from benchmarks import common
+from benchmarks import harness
+from benchmarks import instruments
 from examples.gpt import distributed
 from examples.gpt import model as model_lib
 # pylint: enable=wrong-import-position
@@ -73,7 +74,7 @@ QUICK = ["--d_model", "32", "--num_layers", "2", "--num_heads", "2", "--seq_len"
 
 
 def build_parser():
-  p = common.parser(__doc__)
+  p = harness.parser(__doc__)
   p.add_argument("--meshes", nargs="+", choices=MESHES, default=list(MESHES),
                  help="meshes over the 8 devices, separated by spaces")
   p.add_argument("--d_model", type=int, default=128)
@@ -130,7 +131,7 @@ class Setup:
     for _ in range(steps):
       self.params, self.opt_state, self.loss = self.step(self.params, self.opt_state,
                                                          self.batch)
-    common.block((self.params, self.opt_state, self.loss))
+    instruments.block((self.params, self.opt_state, self.loss))
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
   def row(self) -> dict[str, Any]:
@@ -207,7 +208,7 @@ def draw(payload: dict[str, Any]):
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = common.parse_args(build_parser, QUICK, argv)
+  args = harness.parse_args(build_parser, QUICK, argv)
   if jax.device_count() < NUM_DEVICES:
     raise SystemExit(
         f"error: benchmarks/sharding.py needs {NUM_DEVICES} devices and JAX has "
@@ -237,9 +238,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   totals = {"params": total_bytes(reference.params),
             "opt_state": total_bytes(reference.opt_state)}
   num_params = int(sum(x.size for x in jax.tree_util.tree_leaves(reference.params)))
-  common.log(f"1 device: loss {reference_loss:.6f} after {args.warmup} steps; "
-             f"{totals['params'] / 1024:.1f} KiB params, "
-             f"{totals['opt_state'] / 1024:.1f} KiB optimizer state")
+  harness.log(f"1 device: loss {reference_loss:.6f} after {args.warmup} steps; "
+              f"{totals['params'] / 1024:.1f} KiB params, "
+              f"{totals['opt_state'] / 1024:.1f} KiB optimizer state")
   del reference
 
   setups = []
@@ -248,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     setup.run(args.warmup)  # the same steps as the reference
     setup.warm_loss = float(setup.loss)
     setups.append(setup)
-    common.log(f"{spec}: compiled in {setup.compile_s:.1f}s; loss {setup.warm_loss:.6f}")
+    harness.log(f"{spec}: compiled in {setup.compile_s:.1f}s; loss {setup.warm_loss:.6f}")
 
   wall = {s.spec: [] for s in setups}
   cpu = {s.spec: [] for s in setups}
@@ -257,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       w, c = setup.run(args.steps)
       wall[setup.spec].append(w)
       cpu[setup.spec].append(c)
-    common.log(f"round {r}: " + ", ".join(f"{s} {wall[s][-1] * 1e3:.1f}ms" for s in wall))
+    harness.log(f"round {r}: " + ", ".join(f"{s} {wall[s][-1] * 1e3:.1f}ms" for s in wall))
 
   rows = []
   for setup in setups:
@@ -265,8 +266,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     row.update({
         "held_fraction": (row["param_bytes_per_device"] + row["opt_bytes_per_device"])
                          / (totals["params"] + totals["opt_state"]),
-        "step_seconds": common.median(wall[setup.spec]),
-        "step_cpu_seconds": common.median(cpu[setup.spec]),
+        "step_seconds": instruments.median(wall[setup.spec]),
+        "step_cpu_seconds": instruments.median(cpu[setup.spec]),
         "step_seconds_per_round": wall[setup.spec],
         "loss_after_warmup": setup.warm_loss,
         "loss_rel_diff": abs(setup.warm_loss - reference_loss) / abs(reference_loss),
@@ -274,7 +275,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rows.append(row)
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": common.command_line(),
+      "command": harness.command_line(),
       "quick": args.quick,
       "config": {"gpt": {"vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
                          "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
@@ -294,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                   for r in rows},
       "seconds": time.perf_counter() - start,
   }
-  return common.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ if __package__ in (None, ""):
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from benchmarks import common  # pylint: disable=wrong-import-position
+from benchmarks import contenders  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import instruments  # pylint: disable=wrong-import-position
+from benchmarks import models  # pylint: disable=wrong-import-position
 
 NAME = "step_time"
 IMPLS = ("stacked", "lax_scan", "hk_layer_stack")
@@ -53,14 +56,14 @@ BASELINES = {"lax_scan": 1.03, "hk_layer_stack": 1.0}
 GUIDE_RECOMPUTE = {"full": 4 / 3, "nested": 5 / 3}
 
 
-def prepare(contender: common.Contender, x: jax.Array):
+def prepare(contender: contenders.Contender, x: jax.Array):
   """Makes the contender's parameters, compiles its step and runs it once."""
   params = contender.synthetic_params(x)
   step = contender.grad_step()
   t0 = time.perf_counter()
   compiled = step.lower(params, x).compile()
   compile_s = time.perf_counter() - t0
-  common.block(compiled(params, x))
+  instruments.block(compiled(params, x))
   return compiled, params, compile_s
 
 
@@ -76,7 +79,7 @@ def time_steps(compiled, params, x, steps: int) -> tuple[float, float]:
   out = None
   for _ in range(steps):
     out = compiled(params, x)
-  common.block(out)
+  instruments.block(out)
   return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
@@ -224,11 +227,11 @@ def draw(payload: dict[str, Any]):
       tops += [e["ci95"][1] for e in entries if e] + [m for m in cpu_med if m == m]
       x = pos + (k - 0.5) * width
       ax_vs.bar(x, med, width, yerr=errs(entries), capsize=3, color=f"C{k}",
-                label=f"wall time: st.Stacked / {common.IMPL_LABELS[baseline]}")
+                label=f"wall time: st.Stacked / {contenders.IMPL_LABELS[baseline]}")
       ax_vs.plot(x, cpu_med, "D", color="black", markersize=5,
                  label="CPU time, same ratio" if k == 0 else None)
       ax_vs.axhline(target, color=f"C{k}", linestyle="--", linewidth=1,
-                    label=f"target <= {target:g}x vs {common.IMPL_LABELS[baseline]}")
+                    label=f"target <= {target:g}x vs {contenders.IMPL_LABELS[baseline]}")
     ax_vs.set_xticks(pos, policies)
     ax_vs.set_xlabel("remat policy")
     ax_vs.set_ylabel("step-time ratio, Stacked / hand-written (x)")
@@ -260,12 +263,12 @@ def draw(payload: dict[str, Any]):
 
 
 def build_parser():
-  p = common.parser(__doc__)
+  p = harness.parser(__doc__)
   p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
   p.add_argument("--num_layers", type=int, default=16)
-  p.add_argument("--policies", type=common.str_list(common.POLICIES),
-                 default=list(common.POLICIES))
-  p.add_argument("--impls", type=common.str_list(IMPLS), default=list(IMPLS),
+  p.add_argument("--policies", type=harness.str_list(contenders.POLICIES),
+                 default=list(contenders.POLICIES))
+  p.add_argument("--impls", type=harness.str_list(IMPLS), default=list(IMPLS),
                  help="st.Stacked and the hand-written contenders it is timed against")
   p.add_argument("--save_name", default="mlp_hidden")
   p.add_argument("--warmup_rounds", type=int, default=1,
@@ -285,19 +288,19 @@ QUICK = ["--model", "mlp", "--num_layers", "4", "--policies", "none,full",
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = common.parse_args(build_parser, QUICK, argv)
-  cfg = common.model_config(args)
-  x = common.example_input(cfg)
+  args = harness.parse_args(build_parser, QUICK, argv)
+  cfg = models.model_config(args)
+  x = models.example_input(cfg)
   start = time.perf_counter()
   ready = {}
   compile_s = {}
   for policy in args.policies:
     for impl in args.impls:
-      if common.supports(impl, policy, args.num_layers):
-        c = common.build(impl, policy, cfg, args.num_layers, save_name=args.save_name)
+      if contenders.supports(impl, policy, args.num_layers):
+        c = contenders.build(impl, policy, cfg, args.num_layers, save_name=args.save_name)
         compiled, params, compile_s[c.name] = prepare(c, x)
         ready[c.name] = (compiled, params)
-        common.log(f"compiled {c.name} ({compile_s[c.name]:.1f}s)")
+        harness.log(f"compiled {c.name} ({compile_s[c.name]:.1f}s)")
   names = list(ready)
   ops = {n: op_counts(compiled) for n, (compiled, _) in ready.items()}
   times: dict[str, list[float]] = {n: [] for n in names}
@@ -310,11 +313,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         times[name].append(wall)
         cpu_times[name].append(cpu)
     if r >= 0:
-      common.log(f"round {r}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f}ms"
-                                              for n in names))
+      harness.log(f"round {r}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.1f}ms"
+                                               for n in names))
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": common.command_line(),
+      "command": harness.command_line(),
       "quick": args.quick,
       "config": {"model": args.model, "model_config": cfg.describe(),
                  "num_layers": args.num_layers, "policies": args.policies,
@@ -330,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                        "nested: hk.layer_stack of hk.remat(hk.layer_stack)"}},
       "seconds_per_step": times,
       "cpu_seconds_per_step": cpu_times,
-      "median_seconds": {n: common.median(t) for n, t in times.items()},
+      "median_seconds": {n: instruments.median(t) for n, t in times.items()},
       "compile_seconds": compile_s,
       "temp_bytes": {n: int(c.memory_analysis().temp_size_in_bytes)
                      for n, (c, _) in ready.items()},
@@ -357,7 +360,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "noise_floor": res["noise_floor"],
         "identical_programs": {k: e["median"] for k, e in res["identical_programs"].items()},
     }
-  return common.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, markdown, draw)
 
 
 if __name__ == "__main__":

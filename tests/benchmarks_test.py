@@ -11,6 +11,7 @@ runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
 import matplotlib, which must print one line and write no PNG.
 """
 
+import ast
 import json
 import math
 import os
@@ -24,8 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import common  # pylint: disable=wrong-import-position
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
 from benchmarks import step_time  # pylint: disable=wrong-import-position
@@ -124,7 +125,7 @@ def test_init_time_as_a_script_without_matplotlib(tmp_path):
        "--results_dir", str(results)],
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert common.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
+  assert harness.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
   assert not (results / f"{init_time.NAME}.png").exists()
   result = json.loads((results / f"{init_time.NAME}.json").read_text())
   assert COMMON_KEYS <= set(result)
@@ -140,3 +141,26 @@ def test_flags_reject_bad_lists():
     memory.build_parser().parse_args(["--policies", "full,bogus"])
   with pytest.raises(SystemExit):
     compile_time.build_parser().parse_args(["--depths", "4,0"])
+
+
+def _benchmark_imports(module_name):
+  """The ``benchmarks.<name>`` modules that ``benchmarks/<module_name>.py`` imports."""
+  tree = ast.parse((REPO_ROOT / "benchmarks" / f"{module_name}.py").read_text())
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+      names.add(node.module.split(".")[1])
+    elif isinstance(node, ast.Import):
+      names.update(a.name.split(".")[1] for a in node.names
+                   if a.name.startswith("benchmarks."))
+  return names
+
+
+def test_shared_modules_import_one_way():
+  # The measuring and publishing modules know nothing of what they measure.
+  assert _benchmark_imports("harness") == set()
+  assert _benchmark_imports("instruments") == set()
+  assert _benchmark_imports("models") == set()
+  assert _benchmark_imports("contenders") == {"models"}

@@ -1,0 +1,140 @@
+"""The models every benchmark stacks: two blocks and the sizes of their carry.
+
+* ``mlp``: a residual MLP block, ``x + W2 gelu(W1 LayerNorm(x))``, on a carry
+  of shape ``[batch, width]``; the hidden activation is tagged
+  ``"mlp_hidden"``.
+* ``gpt``: a small GPT-like pre-LayerNorm transformer block (causal
+  multi-head self-attention, then a 4x MLP), on a carry of shape
+  ``[batch, seq_len, width]``; the attention output is tagged ``"attn_out"``
+  and the MLP hidden activation ``"mlp_hidden"``.
+
+A :class:`ModelConfig` names one of them and its sizes; :func:`make_block`
+turns it into the block factory ``st.Stacked`` takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import stacktools as st
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The sizes of one block stack's carry and block.
+
+  Attributes:
+    kind: ``"mlp"`` or ``"gpt"``.
+    width: model width (``d_model``).
+    batch: batch size.
+    seq_len: sequence length (``gpt`` only; ignored by ``mlp``).
+    heads: attention heads (``gpt`` only).
+  """
+
+  kind: str
+  width: int
+  batch: int
+  seq_len: int = 1
+  heads: int = 1
+
+  def __post_init__(self):
+    if self.kind not in ("mlp", "gpt"):
+      raise ValueError(f"ModelConfig.kind must be 'mlp' or 'gpt', got {self.kind!r}.")
+    if self.kind == "gpt" and self.width % self.heads:
+      raise ValueError(f"gpt: width={self.width} must be a multiple of "
+                       f"heads={self.heads}.")
+
+  @property
+  def carry_shape(self) -> tuple[int, ...]:
+    if self.kind == "mlp":
+      return (self.batch, self.width)
+    return (self.batch, self.seq_len, self.width)
+
+  @property
+  def carry_bytes(self) -> int:
+    """Bytes of one carry (float32): the guide's ``C``, computed analytically."""
+    return 4 * math.prod(self.carry_shape)
+
+  @property
+  def param_bytes_per_layer(self) -> int:
+    """Bytes of one block's parameters (float32), from their shapes."""
+    block = hk.transform(lambda x: make_block(self)()(x))
+    shapes = jax.eval_shape(block.init, jax.random.PRNGKey(0),
+                            jax.ShapeDtypeStruct(self.carry_shape, jnp.float32))
+    return sum(4 * math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
+  def describe(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    if self.kind == "mlp":
+      del out["seq_len"], out["heads"]
+    out["carry_shape"] = list(self.carry_shape)
+    out["carry_bytes"] = self.carry_bytes
+    out["param_bytes_per_layer"] = self.param_bytes_per_layer
+    return out
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+  """The ModelConfig of the flags --model --width --batch --seq_len --heads."""
+  gpt = args.model == "gpt"
+  return ModelConfig(args.model, width=args.width, batch=args.batch,
+                     seq_len=args.seq_len if gpt else 1, heads=args.heads if gpt else 1)
+
+
+class MLPBlock(hk.Module):
+  """``x + W2 gelu(W1 LayerNorm(x))``; the hidden activation is ``mlp_hidden``."""
+
+  def __init__(self, width: int, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.width = width
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+    h = jax.nn.gelu(hk.Linear(4 * self.width, name="fc")(h))
+    h = st.checkpoint_name(h, "mlp_hidden")
+    return x + hk.Linear(self.width, name="out")(h)
+
+
+class GPTBlock(hk.Module):
+  """A pre-LayerNorm transformer block: causal self-attention, then an MLP."""
+
+  def __init__(self, width: int, heads: int, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.width, self.heads = width, heads
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, seq_len, width = x.shape
+    head_dim = width // self.heads
+    h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln1")(x)
+    qkv = hk.Linear(3 * width, name="qkv")(h)
+    q, k, v = jnp.split(qkv.reshape(batch, seq_len, 3, self.heads, head_dim), 3, axis=2)
+    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+    attn = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
+    attn = st.checkpoint_name(attn.reshape(batch, seq_len, width), "attn_out")
+    x = x + hk.Linear(width, name="proj")(attn)
+    h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln2")(x)
+    h = jax.nn.gelu(hk.Linear(4 * width, name="fc")(h))
+    h = st.checkpoint_name(h, "mlp_hidden")
+    return x + hk.Linear(width, name="out")(h)
+
+
+def make_block(cfg: ModelConfig) -> Callable[[], hk.Module]:
+  """A factory of the block ``cfg`` describes, as ``st.Stacked`` takes it."""
+  if cfg.kind == "mlp":
+    return lambda: MLPBlock(cfg.width, name="block")
+  return lambda: GPTBlock(cfg.width, cfg.heads, name="block")
+
+
+def example_input(cfg: ModelConfig, seed: int = 1) -> jax.Array:
+  """A random float32 carry of ``cfg``'s shape, the same for every contender."""
+  return jax.random.normal(jax.random.PRNGKey(seed), cfg.carry_shape, jnp.float32)
