@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 
 import gpt_test as gpt
-from benchmarks import common
+from benchmarks import harness
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
@@ -402,5 +402,5 @@ def test_sharding_benchmark_quick(runs):
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
     assert os.path.getsize(os.path.join(results, "sharding.png")) > 0
   except ImportError:
-    assert common.NO_MATPLOTLIB in output
+    assert harness.NO_MATPLOTLIB in output
     assert not os.path.exists(os.path.join(results, "sharding.png"))
