@@ -22,12 +22,18 @@ What is checked, against numbers rather than "it runs":
 * KV-cache decoding equals the full forward pass (in this process);
 * bad flags, missing or corrupt checkpoints: a one-line message, a non-zero
   exit, no traceback, nothing written (CLI subprocesses, started together);
+* a --workdir that is a file, lies under one or cannot be written, and a
+  --resume on a corpus with other characters, stop at start-up, before the
+  data is loaded or the step compiled;
+* outputs get the umask's mode, and a start removes the temporary files that
+  killed writes left (the ``files`` module itself: gpt_files_test.py);
 * ``sample.py`` end to end.
 """
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -60,6 +66,9 @@ TINY = dict(num_layers=NUM_LAYERS, d_model=16, num_heads=2, seq_len=16,
             batch_size=4, steps=STEPS, learning_rate=1e-2, warmup_steps=1,
             log_every=1, eval_every=1000, eval_batches=1, sample_tokens=0)
 WORKDIR_FILES = {"checkpoint.npz", "metrics.jsonl"}  # and loss.png, with matplotlib
+# Left as if by writes killed mid-way, in this run's workdir before it starts.
+STALE_RUN = "save_names"
+STALE_TEMP_FILES = (".checkpoint.npz.0123abcd.tmp", ".metrics.jsonl.89abcdef.tmp")
 SENTENCES = (
     "the cat sat on the mat.", "a dog ran to the red ball.",
     "we like to read a good book at night.", "she sang a song in the garden.",
@@ -137,6 +146,10 @@ class Drivers:
     self.tmp = tmp
     self.data_path = data_path
     env = {**os.environ, "XLA_FLAGS": FAST_XLA}
+    os.makedirs(self.workdir(STALE_RUN))
+    for name in STALE_TEMP_FILES:
+      with open(os.path.join(self.workdir(STALE_RUN), name), "wb") as f:
+        f.write(b"half a file")
     self.procs = []
     for i, specs in enumerate(_driver_specs(tmp, data_path)):
       spec_path = os.path.join(tmp, f"driver{i}.json")
@@ -274,6 +287,8 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
   garbage = tmp_path / "garbage"
   garbage.mkdir()
   (garbage / "checkpoint.npz").write_bytes(b"this is not a checkpoint\x00\xff" * 40)
+  empty = tmp_path / "empty"
+  empty.mkdir()
 
   # (name, script, flags, fragments the message must contain)
   cases = [
@@ -297,7 +312,12 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
       ("garbage", TRAIN, {"resume": True, "workdir": str(garbage)},
        ["error: --resume:", "not a readable checkpoint"]),
-      ("sample_no_ckpt", SAMPLE, {}, ["error: No checkpoint"]),
+      ("sample_no_workdir", SAMPLE, {},
+       ["error: --workdir=", "does not exist", "train first with python examples/gpt/train.py"]),
+      ("sample_no_ckpt", SAMPLE, {"workdir": str(empty)},
+       ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
+      ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
+       ["--nested_outer=7 is larger than --num_layers=2"]),
       ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
        ["error:", "not a readable checkpoint"]),
   ]
@@ -305,9 +325,9 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
   for name, script, flags, fragments in cases:
     flags = {"workdir": str(tmp_path / "work" / name), **flags}
     args = as_args({**base, **flags}) if script == TRAIN else as_args(flags)
-    started.append((name, flags["workdir"], fragments, listing(flags["workdir"]),
+    started.append((name, script, flags["workdir"], fragments, listing(flags["workdir"]),
                     cli(script, *args)))
-  for name, workdir, fragments, before, proc in started:
+  for name, script, workdir, fragments, before, proc in started:
     rc, _, stderr = finish(proc)
     assert rc != 0, name
     assert "Traceback" not in stderr, f"{name}:\n{stderr}"
@@ -317,9 +337,128 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
     assert len(message) == 1, f"{name}:\n{stderr}"
     for fragment in fragments:
       assert fragment in message[0], f"{name}: {fragment!r} not in {message[0]!r}"
+    if script == SAMPLE:  # a flag that sample.py does not have
+      assert "--resume" not in message[0], f"{name}: {message[0]!r}"
     assert listing(workdir) == before, f"{name} wrote to its workdir"
   assert not (tmp_path / "work").exists()
   assert (garbage / "checkpoint.npz").read_bytes().startswith(b"this is not")
+
+
+def one_line_error(proc: subprocess.Popen) -> str:
+  """The process's only line on stderr, after checking that it failed cleanly."""
+  rc, _, stderr = finish(proc)
+  assert rc != 0, stderr
+  assert "Traceback" not in stderr, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1, stderr
+  return lines[0]
+
+
+def test_unusable_workdir_stops_at_start_up(tmp_path):
+  """A --workdir that is a file or lies under one: one line naming --workdir.
+
+  --data_path names a missing file, so a message about the data would mean
+  the workdir was checked only after loading it (and, before the check, a
+  run went on to compile and raised at its first write).
+  """
+  a_file = tmp_path / "a_file"
+  a_file.write_text("not a folder\n")
+  train_flags = {**TINY, "data_path": str(tmp_path / "missing.txt")}
+  is_file = ["error: --workdir=", "a_file' is a file, not a directory"]
+  under_file = ["error: --workdir=", "sub' lies under", "a_file', which is a file"]
+  cases = [  # (script, workdir, fragments of the one line)
+      (TRAIN, a_file, is_file), (TRAIN, a_file / "sub", under_file),
+      (SAMPLE, a_file, is_file), (SAMPLE, a_file / "sub", under_file),
+  ]
+  started = [(workdir, fragments, cli(script, *as_args(
+      {**(train_flags if script == TRAIN else {}), "workdir": workdir})))
+             for script, workdir, fragments in cases]
+  for workdir, fragments, proc in started:
+    message = one_line_error(proc)
+    for fragment in fragments:
+      assert fragment in message, f"{workdir}: {fragment!r} not in {message!r}"
+  assert a_file.read_text() == "not a folder\n"
+  assert listing(tmp_path) == {"a_file"}
+
+
+def can_create_file_in(folder: str) -> bool:
+  try:
+    fd = os.open(os.path.join(folder, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+  except OSError:
+    return False
+  os.close(fd)
+  os.remove(os.path.join(folder, "probe"))
+  return True
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+  """A folder nobody can create files in: mode 0o555, or, for root (whom modes
+  do not stop), a sysfs folder; the test is skipped if neither works."""
+  folder = tmp_path / "read_only"
+  folder.mkdir()
+  folder.chmod(0o555)
+  try:
+    if not can_create_file_in(str(folder)):
+      yield str(folder)
+    elif os.path.isdir("/sys/kernel") and not can_create_file_in("/sys/kernel"):
+      yield "/sys/kernel"
+    else:
+      pytest.skip("running as root, and no read-only folder found to test with")
+  finally:
+    folder.chmod(0o755)
+
+
+def test_read_only_workdir_stops_at_start_up(read_only_dir, tmp_path):
+  before = listing(read_only_dir)
+  flags = {**TINY, "data_path": str(tmp_path / "missing.txt")}
+  started = [cli(TRAIN, *as_args({**flags, "workdir": read_only_dir})),
+             cli(TRAIN, *as_args({**flags, "workdir": os.path.join(read_only_dir, "new")}))]
+  existing, new = (one_line_error(proc) for proc in started)
+  assert existing.startswith(f"error: --workdir={read_only_dir!r} is a directory that "
+                             "cannot be written to"), existing
+  assert new.startswith(f"error: --workdir={os.path.join(read_only_dir, 'new')!r} does "
+                        f"not exist and cannot be created: {read_only_dir!r}"), new
+  assert listing(read_only_dir) == before
+
+
+def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
+  """As many characters as the checkpoint's, but '!' for '.': before the check,
+  every id from '!' on silently stood for another character, and it trained."""
+  name = _run_name("full", "fold")
+  drivers.run(name)
+  workdir = tmp_path / "work"
+  workdir.mkdir()
+  shutil.copy(os.path.join(drivers.workdir(name), "checkpoint.npz"), workdir)
+  other = tmp_path / "other.txt"
+  with open(drivers.data_path, encoding="utf-8") as f:
+    other.write_text(f.read().replace(".", "!"), encoding="utf-8")
+  flags = {**TINY, "data_path": other, "remat": "full", "block": "fold",
+           "resume": True, "workdir": workdir}
+  message = one_line_error(cli(TRAIN, *as_args(flags)))
+  for fragment in ("error: --resume:", "1 ('!') only in the corpus",
+                   "1 ('.') only in the checkpoint", "--data_path", "new --workdir"):
+    assert fragment in message, f"{fragment!r} not in {message!r}"
+  assert listing(workdir) == {"checkpoint.npz"}
+
+
+def test_outputs_get_the_umask_mode(drivers):
+  """Not 0o600, as tempfile.mkstemp would leave them."""
+  umask = os.umask(0)
+  os.umask(umask)
+  name = _run_name("full", "fold")
+  drivers.run(name)
+  workdir = drivers.workdir(name)
+  for file_name in listing(workdir):
+    mode = os.stat(os.path.join(workdir, file_name)).st_mode & 0o777
+    assert mode == 0o666 & ~umask, f"{file_name}: {oct(mode)} with umask {oct(umask)}"
+
+
+def test_start_removes_stale_temp_files(drivers):
+  log = drivers.run(STALE_RUN)["log"]
+  assert (f"Removed 2 stale temporary file(s) of an interrupted write from "
+          f"{drivers.workdir(STALE_RUN)}: {', '.join(sorted(STALE_TEMP_FILES))}") in log
+  assert_only_outputs(drivers.workdir(STALE_RUN))
 
 
 def corrupt_member(path: str, member: str) -> None:

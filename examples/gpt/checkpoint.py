@@ -2,29 +2,39 @@
 
 A checkpoint holds the parameters, the optimizer state, the step, the data
 sampler's state, the model config and the vocabulary. It is written to a
-temporary file in the same folder and renamed over the old one, so a crash
-mid-write leaves the previous checkpoint intact and never a partial file. It
-is read with ``np.load(allow_pickle=False)``: pytrees are rebuilt from a
-template (a freshly initialised state of the same model), so nothing is
-unpickled.
+temporary file in the same folder and renamed over the old one
+(``files.atomic_write``), so a crash mid-write leaves the previous checkpoint
+intact and never a partial file. It is read with
+``np.load(allow_pickle=False)``: pytrees are rebuilt from a template (a
+freshly initialised state of the same model), so nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from typing import Any
 
 import jax
 import numpy as np
 
+from examples.gpt import files
+
 FILENAME = "checkpoint.npz"
 
 
 class CheckpointError(Exception):
   """A checkpoint is missing, unreadable or does not match the model."""
+
+
+class NotFoundError(CheckpointError):
+  """There is no checkpoint file.
+
+  The message only says where none is: what to do about it depends on the
+  binary (train.py: drop --resume; sample.py: train first), so the caller
+  adds that.
+  """
 
 
 def path_in(workdir: str) -> str:
@@ -43,22 +53,17 @@ def save(workdir: str, trees: dict[str, Any], meta: dict[str, Any]) -> str:
     arrays.update(_flatten(name, tree))
   arrays["__meta__"] = np.array(json.dumps(meta))
   os.makedirs(workdir, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=workdir, prefix=".checkpoint-", suffix=".npz.tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **arrays)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path_in(workdir))
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  files.atomic_write(path_in(workdir), lambda f: np.savez(f, **arrays))
   return path_in(workdir)
 
 
 def load_meta(workdir: str) -> dict[str, Any]:
-  """The metadata of the checkpoint in ``workdir``."""
+  """The metadata of the checkpoint in ``workdir``.
+
+  Raises:
+    NotFoundError: there is no checkpoint.
+    CheckpointError: it is not a readable checkpoint.
+  """
   with _open(workdir) as data:
     return json.loads(str(data["__meta__"]))
 
@@ -74,7 +79,8 @@ def load(workdir: str, templates: dict[str, Any]) -> tuple[dict[str, Any], dict[
     ``(trees, meta)``.
 
   Raises:
-    CheckpointError: missing, corrupt, or from a different model.
+    NotFoundError: there is no checkpoint.
+    CheckpointError: corrupt, or from a different model.
   """
   path = path_in(workdir)
   with _open(workdir) as data:
@@ -120,9 +126,7 @@ class _open:  # pylint: disable=invalid-name
 
   def __enter__(self):
     if not os.path.exists(self.path):
-      raise CheckpointError(
-          f"No checkpoint at {self.path}. Train first (with --checkpoint_every "
-          "> 0), or drop --resume to start afresh.")
+      raise NotFoundError(f"No checkpoint at {self.path}.")
     try:
       self.data = np.load(self.path, allow_pickle=False)
       if "__meta__" not in self.data.files:

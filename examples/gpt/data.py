@@ -17,10 +17,11 @@ import dataclasses
 import json
 import os
 import sysconfig
-import tempfile
 from typing import Optional
 
 import numpy as np
+
+from examples.gpt import files
 
 # Standard-library modules present in CPython 3.10+ (one missing from some
 # version is skipped); the order here is the order in the corpus.
@@ -78,21 +79,8 @@ def stdlib_corpus(cache_dir: Optional[str] = None) -> str:
     raise RuntimeError(f"Found only {len(text)} characters of standard-library "
                        f"source under {stdlib}; pass --data_path=<a text file>.")
   os.makedirs(cache_dir, exist_ok=True)
-  atomic_write_text(cache, text)
+  files.atomic_write(cache, lambda f: f.write(text), mode="w")
   return text
-
-
-def atomic_write_text(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` via a temporary file and a rename."""
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ its keys and values written into a per-layer cache that enters the stack as
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from absl import app
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 
 
@@ -88,8 +90,18 @@ def define_flags() -> None:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  workdir = FLAGS.workdir
+  # What makes a checkpoint here (this binary has no --resume to drop).
+  train = f"python examples/gpt/train.py --workdir={shlex.quote(workdir)}"
+  problem = files.readable_folder_problem(workdir)
+  if problem:
+    train_first = f", or train first with {train}" if problem == files.MISSING else ""
+    sys.exit(f"error: --workdir={workdir!r} {problem}; pass the folder that "
+             f"train.py wrote checkpoint.npz to{train_first}.")
   try:
-    meta = checkpoint.load_meta(FLAGS.workdir)
+    meta = checkpoint.load_meta(workdir)
+  except checkpoint.NotFoundError as e:
+    sys.exit(f"error: {e} Train first with {train}.")
   except checkpoint.CheckpointError as e:
     sys.exit(f"error: {e}")
   cfg = model_lib.GPTConfig(**meta["config"])
@@ -101,7 +113,7 @@ def main(argv):
                           jnp.zeros((1, cfg.seq_len), jnp.int32))
   zeros = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
   try:
-    trees, _ = checkpoint.load(FLAGS.workdir, {"params": zeros})
+    trees, _ = checkpoint.load(workdir, {"params": zeros})
     text = generate(cfg, trees["params"], dataset, FLAGS.prompt, FLAGS.num_tokens,
                     temperature=FLAGS.temperature, seed=FLAGS.seed)
   except (checkpoint.CheckpointError, ValueError) as e:

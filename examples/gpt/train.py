@@ -8,7 +8,8 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
 Logs step, train and validation loss, tokens/s and step time, and at start-up
 the compiled temp memory of the train step (which is what --remat changes).
 Writes metrics.jsonl, checkpoint.npz (every --checkpoint_every steps) and
-loss.png (with matplotlib installed) to --workdir.
+loss.png (with matplotlib installed) to --workdir, each atomically; a start
+removes the temporary files that a killed run's writes left there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import app
 from absl import flags
@@ -36,6 +37,7 @@ import stacktools as st  # pylint: disable=g-import-not-at-top
 from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
+from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 
@@ -113,6 +115,20 @@ flags.register_multi_flags_validator(
     message="--nested_outer needs --remat=nested.")
 
 
+def _check_nested_outer(f: dict[str, Any]) -> bool:
+  # Raises to put both values in the message, which a fixed one cannot.
+  outer, layers = f["nested_outer"], f["num_layers"]
+  if outer is not None and outer > layers:
+    raise flags.ValidationError(
+        f"--nested_outer={outer} is larger than --num_layers={layers}; the outer "
+        f"loop takes 1 to {layers} steps: pass --nested_outer<={layers}, or omit "
+        "it for the split that keeps the fewest carries.")
+  return True
+
+
+flags.register_multi_flags_validator(["nested_outer", "num_layers"], _check_nested_outer)
+
+
 def checkpoint_policy(remat: str, save_names: list[str],
                       nested_outer: Optional[int]) -> st.CheckpointPolicy:
   """The policy the flags ask for."""
@@ -163,7 +179,8 @@ def load_data() -> data_lib.CharDataset:
 
 
 def write_metrics(path: str, records: list[dict[str, Any]]) -> None:
-  data_lib.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+  text = "".join(json.dumps(r) + "\n" for r in records)
+  files.atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def plot_losses(workdir: str, records: list[dict[str, Any]], unigram: float) -> None:
@@ -188,20 +205,93 @@ def plot_losses(workdir: str, records: list[dict[str, Any]], unigram: float) -> 
   ax.legend()
   fig.tight_layout()
   path = os.path.join(workdir, "loss.png")
-  fig.savefig(path + ".tmp.png", dpi=100)
-  os.replace(path + ".tmp.png", path)
+  # A file object has no extension to infer the format from.
+  files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
   plt.close(fig)
   logging.info("Wrote %s", path)
 
 
-def main(argv):
+def check_workdir(workdir: str) -> None:
+  """Exits with one line if the chief cannot write into ``workdir``."""
+  problem = files.writable_folder_problem(workdir)
+  if problem:
+    sys.exit(f"error: --workdir={workdir!r} {problem}; pass a folder you can "
+             "write to (it is created if missing).")
+
+
+def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str) -> None:
+  """Exits with one line if the corpus's characters are not the checkpoint's.
+
+  Ids are indices into the sorted character set: with another set the
+  checkpoint's ids would stand for other characters, and training would go
+  on silently from a model of another text.
+  """
+  if checkpoint_chars == corpus_chars:
+    return
+  only_corpus = sorted(set(corpus_chars) - set(checkpoint_chars))
+  only_checkpoint = sorted(set(checkpoint_chars) - set(corpus_chars))
+
+  def some(chars: list[str]) -> str:
+    shown = "".join(chars[:10])
+    return f"{len(chars)} ({shown!r}{', ...' if len(chars) > 10 else ''})" if chars else "0"
+
+  sys.exit(f"error: --resume: the corpus's characters differ from those of the "
+           f"checkpoint in {workdir!r}: {some(only_corpus)} only in the corpus, "
+           f"{some(only_checkpoint)} only in the checkpoint, so ids would stand "
+           "for other characters. Pass the --data_path the checkpoint was "
+           "trained on, or a new --workdir to start afresh.")
+
+
+@dataclasses.dataclass
+class Run:
+  """What :func:`set_up` makes for :func:`train_loop` and :func:`finish`."""
+
+  workdir: str
+  metrics_path: str
+  is_chief: bool
+  dataset: data_lib.CharDataset
+  cfg: model_lib.GPTConfig
+  sampler: data_lib.BatchSampler
+  batch_sharding: Any
+  compiled_step: Any  # params, opt_state, batch -> params, opt_state, loss, stats
+  evaluate: Callable[[Any], float]  # params -> mean validation loss
+  # Gathers (params, opt_state) to the host and, on the chief, writes them
+  # with this step's metadata.
+  save_checkpoint: Callable[[int, Any, Any], None]
+  params: Any  # at start_step
+  opt_state: Any
+  start_step: int
+  last_step: int
+  records: list[dict[str, Any]]  # metrics so far; train_loop appends to it
+
+
+def set_up(argv) -> Run:
+  """Checks the flags and the workdir, then loads, builds and compiles.
+
+  Everything is checked before anything is written. A check that fails exits
+  with one line, before the data is loaded where it can.
+
+  Args:
+    argv: the arguments absl left; only the program name is allowed.
+
+  Returns:
+    The run's pieces, with the workdir created and metrics.jsonl written (on
+    the chief).
+  """
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments {argv[1:]}; every option is a --flag.")
-  # Everything is checked before anything is written.
   workdir = _WORKDIR.value
+  # Only process 0 writes (jax.process_index() is --process_id once the
+  # processes have joined); checked now, before the slow joining and loading.
+  if _NUM_PROCESSES.value == 1 or _PROCESS_ID.value == 0:
+    check_workdir(workdir)
+  resume_meta = None
   if _RESUME.value:
     try:
-      checkpoint.load_meta(workdir)
+      resume_meta = checkpoint.load_meta(workdir)
+    except checkpoint.NotFoundError as e:
+      sys.exit(f"error: --resume: {e} Train first (with --checkpoint_every > 0), "
+               "or drop --resume to start afresh.")
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
   try:
@@ -217,6 +307,14 @@ def main(argv):
   is_chief = jax.process_index() == 0
   dataset = load_data()
   check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
+  if resume_meta is not None and "chars" in resume_meta:
+    check_chars(resume_meta["chars"], dataset.chars, workdir)
+  if is_chief:
+    # A run killed mid-write left these; no write is under way now.
+    stale = files.remove_stale_temp_files(workdir)
+    if stale:
+      logging.info("Removed %d stale temporary file(s) of an interrupted write "
+                   "from %s: %s", len(stale), workdir, ", ".join(stale))
   policy = checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value)
   cfg = model_lib.GPTConfig(
       vocab_size=dataset.vocab_size, seq_len=_SEQ_LEN.value,
@@ -295,7 +393,7 @@ def main(argv):
   def evaluate(params) -> float:
     return float(np.mean([eval_loss(params, b) for b in eval_batches]))
 
-  def save_checkpoint(step):
+  def save_checkpoint(step, params, opt_state):
     # Gathering is a collective: every process takes part, one writes.
     trees = distributed.to_host({"params": params, "opt_state": opt_state})
     if not is_chief:
@@ -309,11 +407,33 @@ def main(argv):
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     write_metrics(metrics_path, records)
+  return Run(workdir=workdir, metrics_path=metrics_path, is_chief=is_chief,
+             dataset=dataset, cfg=cfg, sampler=sampler,
+             batch_sharding=batch_sharding, compiled_step=compiled_step,
+             evaluate=evaluate, save_checkpoint=save_checkpoint, params=params,
+             opt_state=opt_state, start_step=start_step, last_step=last_step,
+             records=records)
+
+
+def train_loop(run: Run) -> Any:
+  """Trains from ``run.start_step`` to ``run.last_step``.
+
+  Logs, evaluates, appends to ``run.records`` (and writes them) and saves
+  checkpoints as the flags say.
+
+  Args:
+    run: what :func:`set_up` made.
+
+  Returns:
+    The final parameters.
+  """
+  params, opt_state = run.params, run.opt_state
+  last_step = run.last_step
   window_losses, window_start = [], time.perf_counter()
   tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
-  for step in range(start_step + 1, last_step + 1):
-    batch = distributed.put_global(sampler.next(), batch_sharding)
-    params, opt_state, loss, stats = compiled_step(params, opt_state, batch)
+  for step in range(run.start_step + 1, last_step + 1):
+    batch = distributed.put_global(run.sampler.next(), run.batch_sharding)
+    params, opt_state, loss, stats = run.compiled_step(params, opt_state, batch)
     window_losses.append(loss)
     record = None
     if step % _LOG_EVERY.value == 0 or step == last_step:
@@ -333,32 +453,48 @@ def main(argv):
       window_losses, window_start = [], time.perf_counter()
     if step % _EVAL_EVERY.value == 0 or step == last_step:
       record = record or {"step": step}
-      record["valid_loss"] = evaluate(params)
+      record["valid_loss"] = run.evaluate(params)
       logging.info("step %5d  validation loss %.4f", step, record["valid_loss"])
       window_start = time.perf_counter()  # evaluation is not training time
     if record is not None:
-      records.append(record)
-      if is_chief:
-        write_metrics(metrics_path, records)
+      run.records.append(record)
+      if run.is_chief:
+        write_metrics(run.metrics_path, run.records)
     if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == last_step:
-      save_checkpoint(step)
+      run.save_checkpoint(step, params, opt_state)
+  return params
 
+
+def finish(run: Run, params: Any) -> None:
+  """Logs the final loss; on the chief, plots the losses and samples.
+
+  Args:
+    run: what :func:`set_up` made, its records filled by :func:`train_loop`.
+    params: the final parameters.
+  """
+  dataset, records = run.dataset, run.records
   host_params = distributed.to_host(params) if _SAMPLE_TOKENS.value else None
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",
                records[-1].get("valid_loss", float("nan")) if records else float("nan"),
                dataset.unigram_entropy())
-  if not is_chief:
+  if not run.is_chief:
     return
-  plot_losses(workdir, records, dataset.unigram_entropy())
+  plot_losses(run.workdir, records, dataset.unigram_entropy())
   if _SAMPLE_TOKENS.value:
     # Sampling is small: it runs on process 0 alone, from host copies.
     prompt = "".join(c for c in _SAMPLE_PROMPT.value if c in dataset.chars)
     if prompt != _SAMPLE_PROMPT.value:
       logging.warning("--sample_prompt has characters outside the corpus; "
                       "sampling from %r instead.", prompt or dataset.chars[0])
-    text = sample_lib.generate(cfg, host_params, dataset, prompt or dataset.chars[0],
+    text = sample_lib.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
                                _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
+
+
+def main(argv):
+  run = set_up(argv)
+  params = train_loop(run)
+  finish(run, params)
 
 
 def sampler_peek(sampler: data_lib.BatchSampler) -> np.ndarray:
