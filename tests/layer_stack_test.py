@@ -21,46 +21,18 @@ import pytest
 
 import stacktools as st
 
-import haiku_helpers
+from haiku_helpers import (D, assert_close, layer_slice, random_like, random_x,
+                           restack, signature, sin_loss, stack_layers)
+from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 
-D = 8
-RTOL, ATOL = haiku_helpers.RTOL, haiku_helpers.ATOL
 INIT_KEY = jax.random.PRNGKey(42)
 APPLY_KEY = jax.random.PRNGKey(7)
 NO_PER_LAYER = "__layer_stack_no_per_layer"
 WITH_PER_LAYER = "__layer_stack_with_per_layer"
 
 
-@pytest.fixture(autouse=True)
-def _check_jax_usage():
-  # As in Haiku's own layer_stack tests: flag JAX transforms misused inside
-  # a Haiku transform.
-  with hk.config.context(check_jax_usage=True):
-    yield
-
-
 # ---------------------------------------------------------------------------
-# Helpers.
-
-
-def _x(shape=(3, D), seed=0):
-  return haiku_helpers.random_input(shape, seed)
-
-
-_signature = haiku_helpers.signature
-_assert_close = haiku_helpers.assert_close
-
-
-def _layer(bundles, prefix, i):
-  """Layer ``i`` of stacked params/state, with ``prefix/`` cut from the names."""
-  return {k[len(prefix) + 1:]: {n: v[i] for n, v in b.items()}
-          for k, b in bundles.items() if k.startswith(prefix + "/")}
-
-
-def _restack(per_layer, prefix):
-  """Inverse of ``_layer`` over all layers: per-layer trees -> stacked."""
-  stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-  return {f"{prefix}/{k}": b for k, b in stacked.items()}
+# Helpers (more in haiku_helpers).
 
 
 def _loop(f, params, x_args, *, num_layers, prefix=NO_PER_LAYER, ys=None,
@@ -77,34 +49,22 @@ def _loop(f, params, x_args, *, num_layers, prefix=NO_PER_LAYER, ys=None,
   carry = x_args[0] if per_layer else tuple(x_args)
   zs, states = [None] * num_layers, [None] * num_layers
   for i in (reversed(range(num_layers)) if reverse else range(num_layers)):
-    layer_state = {} if state is None else _layer(state, prefix, i)
+    layer_state = {} if state is None else layer_slice(state, prefix, i)
     if per_layer:
       (carry, zs[i]), states[i] = layer.apply(
-          _layer(params, prefix, i), layer_state, None, carry,
+          layer_slice(params, prefix, i), layer_state, None, carry,
           *[y[i] for y in ys], **(fn_kwargs or {}))
     else:
-      out, states[i] = layer.apply(_layer(params, prefix, i), layer_state,
+      out, states[i] = layer.apply(layer_slice(params, prefix, i), layer_state,
                                    None, *carry, **(fn_kwargs or {}))
       carry = (out,) if len(x_args) == 1 else out
   if per_layer:
-    out = (carry, jax.tree.map(lambda *a: jnp.stack(a), *zs))
+    out = (carry, stack_layers(zs))
   else:
     out = carry[0] if len(x_args) == 1 else carry
   if state is None:
     return out
-  return out, _restack(states, prefix)
-
-
-def _random_like(shapes, seed=0):
-  """Random float params (ints: small counts) for a tree of ShapeDtypeStructs."""
-  rng = np.random.default_rng(seed)
-
-  def sample(s):
-    if jnp.issubdtype(s.dtype, jnp.integer):
-      return jnp.asarray(rng.integers(0, 5, s.shape), s.dtype)
-    return jnp.asarray(0.4 * rng.standard_normal(s.shape), s.dtype)
-
-  return jax.tree.map(sample, shapes)
+  return out, restack(states, prefix)
 
 
 def _assert_like_hk(build, *args, rng=None, reverse=None):
@@ -126,9 +86,9 @@ def _assert_like_hk(build, *args, rng=None, reverse=None):
       lambda *a: hk_t.init(INIT_KEY, *a, **kw), *args)
   st_params, st_state = jax.eval_shape(
       lambda *a: st_t.init(INIT_KEY, *a, **kw), *args)
-  assert _signature(st_params) == _signature(hk_params)
-  assert _signature(st_state) == _signature(hk_state)
-  params, state = _random_like(hk_params), _random_like(hk_state, seed=1)
+  assert signature(st_params) == signature(hk_params)
+  assert signature(st_state) == signature(hk_state)
+  params, state = random_like(hk_params), random_like(hk_state, seed=1)
 
   @jax.jit
   def both(params, state, rng, *args):
@@ -136,12 +96,8 @@ def _assert_like_hk(build, *args, rng=None, reverse=None):
             st_t.apply(params, state, rng, *args, **kw))
 
   hk_out, st_out = both(params, state, rng, *args)
-  _assert_close(st_out, hk_out)
+  assert_close(st_out, hk_out)
   return st_t, params, state, st_out
-
-
-def _loss(tree):
-  return sum(jnp.sum(jnp.sin(3.0 * leaf)) for leaf in jax.tree.leaves(tree))
 
 
 def _residual(x):
@@ -157,23 +113,23 @@ def _residual(x):
 @pytest.mark.parametrize("unroll", [1, 2, 4])
 def test_matches_unrolled_loop_values_and_grads(unroll):
   n = 5  # Not a multiple of 2 or 4: the unrolled scan has a remainder.
-  x = _x()
+  x = random_x()
   st_t, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda x: ls(n, unroll=unroll)(_residual)(x), x)
-  assert _signature(params) == {
+  assert signature(params) == {
       f"{NO_PER_LAYER}/linear1": {"b": ((n, D), "float32"), "w": ((n, D, D), "float32")},
       f"{NO_PER_LAYER}/linear2": {"b": ((n, D), "float32"), "w": ((n, D, D), "float32")},
   }
-  _assert_close(out, _loop(_residual, params, (x,), num_layers=n))
+  assert_close(out, _loop(_residual, params, (x,), num_layers=n))
 
   def stacked_loss(p, x):
-    return _loss(st_t.apply(p, {}, None, x)[0])
+    return sin_loss(st_t.apply(p, {}, None, x)[0])
 
   def loop_loss(p, x):
-    return _loss(_loop(_residual, p, (x,), num_layers=n))
+    return sin_loss(_loop(_residual, p, (x,), num_layers=n))
 
   grads = jax.jit(jax.grad(stacked_loss, argnums=(0, 1)))(params, x)
-  _assert_close(grads, jax.grad(loop_loss, argnums=(0, 1))(params, x),
+  assert_close(grads, jax.grad(loop_loss, argnums=(0, 1))(params, x),
                 rtol=1e-4, atol=1e-5)
 
 
@@ -185,11 +141,11 @@ def test_multiple_args():
     y_out = y + jnp.tanh(hk.Linear(D, name="linear2")(x))
     return x_out, y_out
 
-  x, y = _x(seed=0), _x(seed=1)
+  x, y = random_x(seed=0), random_x(seed=1)
   _, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda x, y: ls(n)(inner)(x, y), x, y)
   assert isinstance(out, tuple) and len(out) == 2
-  _assert_close(out, _loop(inner, params, (x, y), num_layers=n))
+  assert_close(out, _loop(inner, params, (x, y), num_layers=n))
 
 
 def test_container_carry():
@@ -199,10 +155,10 @@ def test_container_carry():
     h = tree["a"] + jnp.tanh(hk.Linear(D)(tree["b"][0]))
     return {"a": h, "b": (tree["b"][0] * 0.5 + h, tree["b"][1] + 1.0)}
 
-  tree = {"a": _x(seed=0), "b": (_x(seed=1), jnp.zeros(()))}
+  tree = {"a": random_x(seed=0), "b": (random_x(seed=1), jnp.zeros(()))}
   _, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda t: ls(n)(inner)(t), tree)
-  _assert_close(out, _loop(inner, params, (tree,), num_layers=n))
+  assert_close(out, _loop(inner, params, (tree,), num_layers=n))
   assert float(out["b"][1]) == n
 
 
@@ -222,10 +178,19 @@ def test_varargs_rejected():
 
   x = jnp.ones([5])
   jax.eval_shape(build(NoVarArgs).init, INIT_KEY, x)
-  with pytest.raises(ValueError, match=r"must not take \*args"):
+  with pytest.raises(ValueError, match=r"`VarArgs.__call__` must not take \*args"):
     jax.eval_shape(build(VarArgs).init, INIT_KEY, x)
   with pytest.raises(ValueError, match=r"must not take \*args.*def f\(x, y\)"):
     st.layer_stack(2)(lambda *xs: xs)
+  # hk.layer_stack's wording too, so code matching Haiku's error keeps working
+  # (Haiku's test_layer_stack_no_varargs, run in haiku_layer_stack_test.py).
+  def f(*xs):
+    return xs
+  for ls in (st.layer_stack, hk.layer_stack):
+    with pytest.raises(ValueError, match=(
+        r"The function `f` should not have any `varargs` \(that is \*args\) "
+        r"argument")):
+      ls(2)(f)
 
 
 # ---------------------------------------------------------------------------
@@ -259,11 +224,11 @@ def test_per_layer_inputs_multiple_args():
     return lambda x, a, b: ls(n, with_per_layer_inputs=True)(f)(x, a, b)
 
   x, a, b = jnp.zeros([batch, D]), jnp.full([n], 2.0), jnp.ones([n])
-  st_t, params, _, ((out, z), _) = _assert_like_hk(build, x + 1.0, a + _x((n,)), b)
+  st_t, params, _, ((out, z), _) = _assert_like_hk(build, x + 1.0, a + random_x((n,)), b)
   assert z is None
   expected, _ = _loop(f, params, (x + 1.0,), num_layers=n, prefix=WITH_PER_LAYER,
-                      ys=(a + _x((n,)), b))
-  _assert_close(out, expected)
+                      ys=(a + random_x((n,)), b))
+  assert_close(out, expected)
   # Haiku's port: with its own init (identity, zero bias) x -> 2x + 1 three
   # times from 0 gives 7.
   params, state = st_t.init(INIT_KEY, x, a, b)
@@ -287,7 +252,7 @@ def test_container_per_layer_outputs(container):
   x = jnp.zeros([batch, width])
   st_t, params, _, ((out, z), _) = _assert_like_hk(
       lambda ls: lambda x: ls(n, with_per_layer_inputs=True)(f)(x), x + 0.5)
-  _assert_close((out, z), _loop(f, params, (x + 0.5,), num_layers=n,
+  assert_close((out, z), _loop(f, params, (x + 0.5,), num_layers=n,
                                 prefix=WITH_PER_LAYER, ys=()))
   # Haiku's port, with its own (identity) init.
   params, state = st_t.init(INIT_KEY, x)
@@ -314,8 +279,8 @@ def test_nested_stack_shapes_match_hk():
     return hk.transform(fn)
 
   x = jax.ShapeDtypeStruct((10, 100), jnp.float32)
-  st_shapes = _signature(jax.eval_shape(build(st.layer_stack).init, INIT_KEY, x))
-  hk_shapes = _signature(jax.eval_shape(build(hk.layer_stack).init, INIT_KEY, x))
+  st_shapes = signature(jax.eval_shape(build(st.layer_stack).init, INIT_KEY, x))
+  hk_shapes = signature(jax.eval_shape(build(hk.layer_stack).init, INIT_KEY, x))
   assert st_shapes == hk_shapes
   assert st_shapes == {f"{NO_PER_LAYER}/{NO_PER_LAYER}/linear": {
       "w": ((20, 10, 100, 100), "float32"), "b": ((20, 10, 100), "float32")}}
@@ -327,7 +292,7 @@ def test_nested_stack_values_match_double_loop():
   def layer(x):
     return x + jnp.tanh(hk.Linear(D)(x))
 
-  x = _x()
+  x = random_x()
   _, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda x: ls(outer_n)(ls(inner_n)(layer))(x), x)
   (name,) = params
@@ -336,7 +301,7 @@ def test_nested_stack_values_match_double_loop():
     for j in range(inner_n):
       w, b = params[name]["w"][i, j], params[name]["b"][i, j]
       expected = expected + jnp.tanh(expected @ w + b)
-  _assert_close(out, expected)
+  assert_close(out, expected)
 
 
 # ---------------------------------------------------------------------------
@@ -350,11 +315,11 @@ def _affine(x):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_reverse_matches_reversed_loop(reverse):
   n = 4
-  x = _x()
+  x = random_x()
   _, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda x, reverse: ls(n)(_affine)(x, reverse=reverse),
       x, reverse=reverse)
-  _assert_close(out, _loop(_affine, params, (x,), num_layers=n, reverse=reverse))
+  assert_close(out, _loop(_affine, params, (x,), num_layers=n, reverse=reverse))
   other = _loop(_affine, params, (x,), num_layers=n, reverse=not reverse)
   assert not np.allclose(out, other, rtol=1e-3)
 
@@ -367,15 +332,15 @@ def test_reverse_with_per_layer_inputs_keeps_zs_in_layer_order():
     return out, out
 
   extra = (jnp.arange(n) + 1.0) * 0.7
-  x = _x()
+  x = random_x()
   _, params, _, ((out, zs), _) = _assert_like_hk(
       lambda ls: lambda x, e, reverse: ls(n, with_per_layer_inputs=True)(f)(
           x, e, reverse=reverse), x, extra, reverse=True)
   expected = _loop(f, params, (x,), num_layers=n, prefix=WITH_PER_LAYER,
                    ys=(extra,), reverse=True)
-  _assert_close((out, zs), expected)
+  assert_close((out, zs), expected)
   # zs[i] is layer i's output; layer 0 is applied last and gives the final x.
-  _assert_close(out, zs[0])
+  assert_close(out, zs[0])
 
 
 def test_reverse_passed_to_layer_fn_in_nested_stacks():
@@ -396,7 +361,7 @@ def test_reverse_passed_to_layer_fn_in_nested_stacks():
     return fn
 
   extra = (jnp.arange(outer_n * inner_n).reshape(outer_n, inner_n) + 1.0) * 0.7
-  x = _x()
+  x = random_x()
   for reverse in (False, True):
     _, params, _, ((out, zs), _) = _assert_like_hk(build, x, extra, reverse=reverse)
     (name,) = params
@@ -408,7 +373,7 @@ def test_reverse_passed_to_layer_fn_in_nested_stacks():
       w, b = params[name]["w"][i, j], params[name]["b"][i, j]
       expected = (expected @ w + b) * extra[i, j]
       expected_zs[i, j] = expected
-    _assert_close((out, zs), (expected, expected_zs))
+    assert_close((out, zs), (expected, expected_zs))
 
 
 @pytest.mark.parametrize("pass_reverse", [False, True])
@@ -448,13 +413,13 @@ def test_parameter_reuse():
       return mlp(mlp(x))
     return f
 
-  x = jnp.abs(_x((2, 2)))
+  x = jnp.abs(random_x((2, 2)))
   _, params, _, (out, _) = _assert_like_hk(build, x)
   # 5 layers * (2 * 2 weights) = 20: the second call reuses the first's.
   assert hk.data_structures.tree_size(params) == 20
   (prefix,) = [k.rsplit("/", 1)[0] for k in params]
   once = _loop(block, params, (x,), num_layers=n, prefix=prefix)
-  _assert_close(out, _loop(block, params, (once,), num_layers=n, prefix=prefix))
+  assert_close(out, _loop(block, params, (once,), num_layers=n, prefix=prefix))
 
   # Outside a module, two calls make two stacks, as in Haiku.
   def build_top(ls):
@@ -462,8 +427,8 @@ def test_parameter_reuse():
       stack = ls(n)(block)
       return stack(stack(x))
     return hk.transform(f)
-  shapes = _signature(jax.eval_shape(build_top(st.layer_stack).init, INIT_KEY, x))
-  assert shapes == _signature(jax.eval_shape(build_top(hk.layer_stack).init, INIT_KEY, x))
+  shapes = signature(jax.eval_shape(build_top(st.layer_stack).init, INIT_KEY, x))
+  assert shapes == signature(jax.eval_shape(build_top(hk.layer_stack).init, INIT_KEY, x))
   assert sorted(shapes) == [f"{NO_PER_LAYER}/linear", f"{NO_PER_LAYER}_1/linear"]
 
 
@@ -480,10 +445,10 @@ def test_per_layer_keys_distinct_and_same_as_hk():
   def build(ls):
     return lambda x: ls(n, with_per_layer_inputs=True)(f)(x)
 
-  _, _, _, ((_, zs), _) = _assert_like_hk(build, _x(), rng=APPLY_KEY)
+  _, _, _, ((_, zs), _) = _assert_like_hk(build, random_x(), rng=APPLY_KEY)
   assert zs.shape == (n, 3)
   assert len({tuple(np.asarray(row).tolist()) for row in zs}) == n
-  _, _, _, ((_, zs_other), _) = _assert_like_hk(build, _x(), rng=INIT_KEY)
+  _, _, _, ((_, zs_other), _) = _assert_like_hk(build, random_x(), rng=INIT_KEY)
   assert not np.any(np.asarray(zs) == np.asarray(zs_other))
 
 
@@ -504,9 +469,9 @@ def test_dropout_same_as_hk():
 def test_rng_none():
   n = 3
   det = hk.transform(lambda x: st.layer_stack(n)(_affine)(x))
-  x = _x()
-  params = _random_like(jax.eval_shape(det.init, INIT_KEY, x))
-  _assert_close(det.apply(params, None, x),
+  x = random_x()
+  params = random_like(jax.eval_shape(det.init, INIT_KEY, x))
+  assert_close(det.apply(params, None, x),
                 _loop(_affine, params, (x,), num_layers=n))
 
   rand = hk.transform(lambda x: st.layer_stack(n)(
@@ -526,14 +491,14 @@ def test_drop_in_leaves_the_rest_of_the_model_unchanged():
       return x + jax.random.normal(hk.next_rng_key(), x.shape)
     return hk.transform(fn)
 
-  x = _x()
+  x = random_x()
   hk_params = jax.jit(build(hk.layer_stack).init)(INIT_KEY, x)
   st_params = jax.jit(build(st.layer_stack).init)(INIT_KEY, x)
   for name in ("pre", "post"):
     jax.tree.map(np.testing.assert_array_equal, st_params[name], hk_params[name])
   # The stacked layers differ: vmapped init vs Haiku's sequential one.
-  assert _signature(st_params) == _signature(hk_params)
-  _assert_close(build(st.layer_stack).apply(hk_params, APPLY_KEY, x),
+  assert signature(st_params) == signature(hk_params)
+  assert_close(build(st.layer_stack).apply(hk_params, APPLY_KEY, x),
                 build(hk.layer_stack).apply(hk_params, APPLY_KEY, x))
 
 
@@ -551,11 +516,11 @@ def _counter(x):
 
 def test_state_matches_hk_and_loop():
   n = 3
-  x = _x()
+  x = random_x()
   st_t, params, state, (out, new_state) = _assert_like_hk(
       lambda ls: lambda x: ls(n)(_counter)(x), x)
   expected = _loop(_counter, params, (x,), num_layers=n, state=state)
-  _assert_close((out, new_state), expected)
+  assert_close((out, new_state), expected)
   prefix = f"{NO_PER_LAYER}/~"
   np.testing.assert_array_equal(new_state[prefix]["count"], state[prefix]["count"] + 1)
 
@@ -597,7 +562,7 @@ def test_two_stacks_with_one_name_keep_separate_state(layer_stack):
   x = jnp.ones([2])
   state = {"stack/~": {"count": jnp.array([3, 4])},
            "stack_1/~": {"count": jnp.array([10, 20])}}
-  assert _signature(jax.eval_shape(t.init, INIT_KEY, x)[1]) == _signature(state)
+  assert signature(jax.eval_shape(t.init, INIT_KEY, x)[1]) == signature(state)
   _, new_state = t.apply({}, state, None, x)
   np.testing.assert_array_equal(new_state["stack/~"]["count"], [4, 5])
   np.testing.assert_array_equal(new_state["stack_1/~"]["count"], [11, 21])

@@ -22,10 +22,11 @@ import pytest
 
 import stacktools as st
 
-import haiku_helpers
+from haiku_helpers import (B, D, assert_close, layer_slice, random_like,
+                           random_x, restack, signature, sin_loss, stack_layers)
+from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 
-N, B, D = 4, 3, 8
-RTOL, ATOL = haiku_helpers.RTOL, haiku_helpers.ATOL
+N = 4
 KEY = jax.random.PRNGKey(0)
 APPLY_KEY = jax.random.PRNGKey(1)
 
@@ -35,44 +36,8 @@ REMAT_IDS = ["False", "none", "True", "full", "nested", "offload", "save_all",
              "save_name"]
 
 
-@pytest.fixture(autouse=True)
-def _check_jax_usage():
-  with hk.config.context(check_jax_usage=True):
-    yield
-
-
 # ---------------------------------------------------------------------------
-# Helpers.
-
-
-def _x(shape=(B, D), seed=0):
-  return haiku_helpers.random_input(shape, seed)
-
-
-_signature = haiku_helpers.signature
-_assert_close = haiku_helpers.assert_close
-
-
-def _random_like(shapes, seed=0):
-  """Random arrays (small non-negative ints for int leaves) shaped like ``shapes``."""
-  rng = np.random.default_rng(seed)
-
-  def sample(s):
-    if jnp.issubdtype(s.dtype, jnp.integer):
-      return jnp.asarray(rng.integers(0, 5, s.shape), s.dtype)
-    return jnp.asarray(0.4 * rng.standard_normal(s.shape), s.dtype)
-
-  return jax.tree.map(sample, shapes)
-
-
-def _layer(bundles, prefix, i):
-  """Layer ``i`` of stacked params/state, with ``prefix/`` cut from the names."""
-  return {k[len(prefix) + 1:]: {n: v[i] for n, v in b.items()}
-          for k, b in bundles.items() if k.startswith(prefix + "/")}
-
-
-def _loss(tree):
-  return sum(jnp.sum(jnp.sin(3.0 * leaf)) for leaf in jax.tree.leaves(tree))
+# Helpers (more in haiku_helpers).
 
 
 def _no_rng(apply):
@@ -80,10 +45,10 @@ def _no_rng(apply):
 
 
 def _out_and_grads(f, *args):
-  """``(f(*args), grads of _loss(f(*args)) w.r.t. every argument)``."""
+  """``(f(*args), grads of sin_loss(f(*args)) w.r.t. every argument)``."""
   def loss(*a):
     out = f(*a)
-    return _loss(out), out
+    return sin_loss(out), out
   (_, out), grads = jax.value_and_grad(
       loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
   return out, grads
@@ -107,8 +72,8 @@ class Block(hk.Module):
 
 def _inputs(n=N):
   """``(x, ctx, gates, biases)``: carry, broadcast, per-layer, per-layer."""
-  return (_x(seed=0), _x(seed=1), 0.5 + jnp.arange(n) / n,
-          0.1 * _x((n, D), seed=2))
+  return (random_x(seed=0), random_x(seed=1), 0.5 + jnp.arange(n) / n,
+          0.1 * random_x((n, D), seed=2))
 
 
 def _stack_fn(cls, kind, n=N, **config):
@@ -125,12 +90,12 @@ def _loop(params, x, ctx, gates, biases, *, kind, reverse=False, n=N):
   layer = hk.transform(lambda x, *a, **k: Block(scan=kind == "scan")(x, *a, **k))
   ys = [None] * n
   for i in (reversed(range(n)) if reverse else range(n)):
-    out = layer.apply(_layer(params, "h", i), None, x, ctx, gates[i], scale=0.5,
+    out = layer.apply(layer_slice(params, "h", i), None, x, ctx, gates[i], scale=0.5,
                       bias=biases[i])
     x, ys[i] = out if kind == "scan" else (out, None)
   if kind == "fold":
     return x
-  return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+  return x, stack_layers(ys)
 
 
 def _in_transform(fn, *args):
@@ -149,22 +114,22 @@ def test_stacked_matches_loop_and_blockseq(kind, reverse, unroll):
   stacked = _stack_fn(st.Stacked, kind, reverse=reverse, unroll=unroll)
   seq = _stack_fn(st.BlockSeq, kind, reverse=reverse)   # a loop: no unroll
   shapes = jax.eval_shape(stacked.init, KEY, *args)
-  assert _signature(shapes) == {
+  assert signature(shapes) == {
       "h/block/lin": {"w": ((N, D, D), "float32"), "b": ((N, D), "float32")},
       "h/block/ctx": {"w": ((N, D, D), "float32")}}
-  params = _random_like(shapes)
+  params = random_like(shapes)
 
   out, grads = jax.jit(functools.partial(
       _out_and_grads, _no_rng(stacked.apply)))(params, *args)
   expected = _out_and_grads(
       functools.partial(_loop, kind=kind, reverse=reverse), params, *args)
-  _assert_close((out, grads), expected, rtol=1e-4, atol=1e-5)
+  assert_close((out, grads), expected, rtol=1e-4, atol=1e-5)
 
   seq_out, seq_grads = jax.jit(functools.partial(
       _out_and_grads, _no_rng(seq.apply)))(
           st.unstack_params(params, "h"), *args)
   seq_grads = (st.stack_params(seq_grads[0], "h"),) + seq_grads[1:]
-  _assert_close((seq_out, seq_grads), (out, grads), rtol=1e-4, atol=1e-5)
+  assert_close((seq_out, seq_grads), (out, grads), rtol=1e-4, atol=1e-5)
 
 
 def test_blockseq_init_is_unstacked_stacked_init():
@@ -172,7 +137,7 @@ def test_blockseq_init_is_unstacked_stacked_init():
   stacked_params = jax.jit(_stack_fn(st.Stacked, "fold").init)(KEY, *args)
   seq_params = jax.jit(_stack_fn(st.BlockSeq, "fold").init)(KEY, *args)
   expected = st.unstack_params(stacked_params, "h")
-  assert _signature(seq_params) == _signature(expected)
+  assert signature(seq_params) == signature(expected)
   jax.tree.map(np.testing.assert_array_equal, seq_params, expected)
   # Every layer initialised from its own key.
   w = np.asarray(stacked_params["h/block/lin"]["w"])
@@ -206,10 +171,10 @@ def _remat_fns(remat):
 
 def _remat_params():
   fns = _remat_fns(False)
-  stacked = _random_like(jax.eval_shape(fns["stacked"].init, KEY, _x()))
+  stacked = random_like(jax.eval_shape(fns["stacked"].init, KEY, random_x()))
   return {"stacked": stacked, "seq": st.unstack_params(stacked, "h"),
-          "layer_stack": _random_like(
-              jax.eval_shape(fns["layer_stack"].init, KEY, _x()), seed=3)}
+          "layer_stack": random_like(
+              jax.eval_shape(fns["layer_stack"].init, KEY, random_x()), seed=3)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,15 +186,15 @@ def _remat_outputs(remat):
     return {name: _out_and_grads(_no_rng(t.apply), params[name], x)
             for name, t in fns.items()}
 
-  return jax.device_get(run(params, _x()))
+  return jax.device_get(run(params, random_x()))
 
 
 @pytest.mark.parametrize("remat", REMATS, ids=REMAT_IDS)
 def test_remat_aliases_match_no_remat(remat):
-  _assert_close(_remat_outputs(remat), _remat_outputs(False), rtol=1e-5, atol=1e-6)
+  assert_close(_remat_outputs(remat), _remat_outputs(False), rtol=1e-5, atol=1e-6)
   # The three APIs agree with each other too (same params for two of them).
   out = _remat_outputs(remat)
-  _assert_close(out["seq"][0], out["stacked"][0])
+  assert_close(out["seq"][0], out["stacked"][0])
 
 
 def test_remat_aliases_checkpoint_what_they_say():
@@ -242,7 +207,7 @@ def test_remat_aliases_checkpoint_what_they_say():
 
   def count(remat):
     t = _remat_fns(remat)["stacked"]
-    return len(saved_residuals(lambda p, x: t.apply(p, None, x), params, _x()))
+    return len(saved_residuals(lambda p, x: t.apply(p, None, x), params, random_x()))
 
   assert count("full") < count("none")
 
@@ -271,8 +236,8 @@ def test_per_layer_rng_distinct_and_blockseq_reproduces_it():
             fn(st.Stacked, "nested").apply({}, rng, x))
 
   (out, (masks, normals)), seq_out, nested_out = both(APPLY_KEY, x)
-  _assert_close(seq_out, (out, (masks, normals)), rtol=0, atol=0)
-  _assert_close(nested_out, (out, (masks, normals)), rtol=0, atol=0)
+  assert_close(seq_out, (out, (masks, normals)), rtol=0, atol=0)
+  assert_close(nested_out, (out, (masks, normals)), rtol=0, atol=0)
   assert normals.shape == (N, 3)
   assert len({tuple(np.asarray(row).tolist()) for row in normals}) == N
   masks = np.asarray(masks) != 0
@@ -291,19 +256,19 @@ def test_rng_none(cls):
     return x + jnp.tanh(hk.Linear(D, name="lin")(x))
 
   det = hk.transform(lambda x: cls(lambda: det_block, N, name="h").fold(x))
-  params = _random_like(jax.eval_shape(det.init, KEY, _x()))
-  out = det.apply(params, None, _x())
+  params = random_like(jax.eval_shape(det.init, KEY, random_x()))
+  out = det.apply(params, None, random_x())
   if cls is st.BlockSeq:
     params = st.stack_params(params, "h")
   layer = hk.transform(det_block)
-  expected = _x()
+  expected = random_x()
   for i in range(N):
-    expected = layer.apply(_layer(params, "h", i), None, expected)
-  _assert_close(out, expected)
+    expected = layer.apply(layer_slice(params, "h", i), None, expected)
+  assert_close(out, expected)
 
   rand = hk.transform(lambda x: cls(lambda: RandomBlock(), N, name="h").scan(x))
   with pytest.raises(ValueError, match="You must pass a non-None PRNGKey"):
-    jax.eval_shape(lambda x: rand.apply({}, None, x), _x())
+    jax.eval_shape(lambda x: rand.apply({}, None, x), random_x())
 
 
 # ---------------------------------------------------------------------------
@@ -328,11 +293,11 @@ def _counter_fn(cls, reverse=False, remat=False):
 
 @pytest.mark.parametrize("reverse,remat", [(False, False), (True, "nested")])
 def test_state_advances_per_layer_like_loop_and_blockseq(reverse, remat):
-  x = _x()
+  x = random_x()
   stacked = _counter_fn(st.Stacked, reverse, remat)
   seq = _counter_fn(st.BlockSeq, reverse, remat)
-  params, state = _random_like(jax.eval_shape(stacked.init, KEY, x))
-  assert _signature(state) == {"h/counter_block": {
+  params, state = random_like(jax.eval_shape(stacked.init, KEY, x))
+  assert signature(state) == {"h/counter_block": {
       "count": ((N,), "int32"), "total": ((N, D), "float32")}}
 
   @jax.jit
@@ -346,20 +311,20 @@ def test_state_advances_per_layer_like_loop_and_blockseq(reverse, remat):
   layer = hk.transform_with_state(lambda x: CounterBlock()(x))
   expected, states = x, [None] * N
   for i in (reversed(range(N)) if reverse else range(N)):
-    expected, states[i] = layer.apply(_layer(params, "h", i), _layer(state, "h", i),
+    expected, states[i] = layer.apply(layer_slice(params, "h", i),
+                                      layer_slice(state, "h", i),
                                       None, expected)
-  expected_state = {"h/" + k: v for k, v in
-                    jax.tree.map(lambda *a: jnp.stack(a), *states).items()}
-  _assert_close((out, new_state), (expected, expected_state))
+  expected_state = restack(states, "h")
+  assert_close((out, new_state), (expected, expected_state))
   np.testing.assert_array_equal(new_state["h/counter_block"]["count"],
                                 state["h/counter_block"]["count"] + 1)
-  _assert_close((seq_out, st.stack_params(seq_state, "h")), (out, new_state))
+  assert_close((seq_out, st.stack_params(seq_state, "h")), (out, new_state))
 
 
 @pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
 def test_init_state_is_the_blocks_initial_state(cls):
   t = _counter_fn(cls)
-  x = _x()
+  x = random_x()
   params, state = t.init(KEY, x)
   if cls is st.BlockSeq:
     state = st.stack_params(state, "h")
@@ -388,7 +353,7 @@ def test_two_stacks_with_one_name_keep_separate_state(cls):
     return cls(lambda: count_block, 2, name="h").fold(x)
 
   t = hk.transform_with_state(fn)
-  _, state = jax.eval_shape(t.init, KEY, _x())
+  _, state = jax.eval_shape(t.init, KEY, random_x())
   state = jax.tree.map(lambda s: jnp.arange(s.size, dtype=s.dtype).reshape(s.shape) * 10,
                        state)
   # A function block's state lives directly under the stack ("~": no module).
@@ -397,8 +362,8 @@ def test_two_stacks_with_one_name_keep_separate_state(cls):
   else:
     assert sorted(state) == ["h/layer_0/~", "h/layer_1/~", "h_1/layer_0/~",
                              "h_1/layer_1/~"]
-  _, new_state = t.apply({}, state, None, _x())
-  _assert_close(new_state, jax.tree.map(lambda s: s + 1, state), rtol=0, atol=0)
+  _, new_state = t.apply({}, state, None, random_x())
+  assert_close(new_state, jax.tree.map(lambda s: s + 1, state), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------
@@ -504,11 +469,11 @@ def test_parameter_reuse(cls):
   args = _inputs()
   shapes = jax.eval_shape(t.init, KEY, *args)
   one = jax.eval_shape(_stack_fn(cls, "fold").init, KEY, *args)
-  assert _signature(shapes) == _signature(one)
-  params = _random_like(shapes)
+  assert signature(shapes) == signature(one)
+  params = random_like(shapes)
   stacked_params = params if cls is st.Stacked else st.stack_params(params, "h")
   once = _loop(stacked_params, *args, kind="fold")
-  _assert_close(jax.jit(t.apply)(params, None, *args),
+  assert_close(jax.jit(t.apply)(params, None, *args),
                 _loop(stacked_params, once, *args[1:], kind="fold"))
 
 
@@ -522,11 +487,11 @@ def test_fold_and_scan_share_parameters():
     return stack.fold(x, False), stack.scan(x, True)
 
   t = hk.transform(both)
-  shapes = jax.eval_shape(t.init, KEY, _x())
-  assert _signature(shapes) == {"h/linear": {"w": ((N, D, D), "float32"),
+  shapes = jax.eval_shape(t.init, KEY, random_x())
+  assert signature(shapes) == {"h/linear": {"w": ((N, D, D), "float32"),
                                              "b": ((N, D), "float32")}}
-  folded, (scanned, ys) = jax.jit(t.apply)(_random_like(shapes), None, _x())
-  _assert_close(scanned, folded)
+  folded, (scanned, ys) = jax.jit(t.apply)(random_like(shapes), None, random_x())
+  assert_close(scanned, folded)
   assert ys.shape == (N,)
 
 
@@ -538,7 +503,7 @@ def test_nested_stacked_shapes():
     return st.Stacked(lambda: inner, 20, name="outer").fold(x)
 
   shapes = _in_transform(fn, jax.ShapeDtypeStruct((10, 100), jnp.float32))
-  assert _signature(shapes) == {"outer/inner/linear": {
+  assert signature(shapes) == {"outer/inner/linear": {
       "w": ((20, 10, 100, 100), "float32"), "b": ((20, 10, 100), "float32")}}
 
 
@@ -555,18 +520,18 @@ def test_nested_stacks_match_double_loop(outer_cls):
     return outer_cls(lambda: inner, outer_n, name="outer").fold(x)
 
   t = hk.transform(fn)
-  params = _random_like(jax.eval_shape(t.init, KEY, _x()))
-  out = jax.jit(t.apply)(params, None, _x())
+  params = random_like(jax.eval_shape(t.init, KEY, random_x()))
+  out = jax.jit(t.apply)(params, None, random_x())
   if outer_cls is st.BlockSeq:
     params = st.stack_params(params, "outer")
   (name,) = params
   assert params[name]["w"].shape == (outer_n, inner_n, D, D)
-  expected = _x()
+  expected = random_x()
   for i in range(outer_n):
     for j in range(inner_n):
       expected = expected + jnp.tanh(
           expected @ params[name]["w"][i, j] + params[name]["b"][i, j])
-  _assert_close(out, expected)
+  assert_close(out, expected)
 
 
 # ---------------------------------------------------------------------------
@@ -620,7 +585,7 @@ def test_per_layer_with_wrong_leading_axis(cls):
   with pytest.raises(ValueError, match=(
       rf"{name}: per_layer keyword argument 'bias' has a leading axis of 5, but "
       rf"the stack has num_layers={N}")):
-    _in_transform(call(st.per_layer(gates), st.per_layer(_x((5, D)))), x)
+    _in_transform(call(st.per_layer(gates), st.per_layer(random_x((5, D)))), x)
   with pytest.raises(ValueError, match=(
       rf"{name}: per_layer keyword argument 'bias'\['b'\] has a leading axis of "
       rf"2, but the stack has num_layers={N}")):
@@ -668,7 +633,7 @@ def test_bad_remat_unroll_and_make_block(cls):
 @pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
 def test_scan_block_must_return_a_pair(cls):
   name = cls.__name__
-  x = _x()
+  x = random_x()
   with pytest.raises(TypeError, match=(
       rf"{name}\.scan: a scan block must return a pair \(x, y\), but it returned "
       rf"an array of shape \({B}, {D}\)\. A block that returns only x is a fold "
@@ -685,11 +650,11 @@ def test_fold_block_returning_a_pair_suggests_scan(cls):
       rf"{name}\.fold: the block returned a pair \(x, y\), but a fold block "
       rf"returns only the new x\. Use {name}\.scan")):
     _in_transform(lambda x: cls(lambda: lambda x: (x + 1, jnp.sum(x)), N).fold(x),
-                  _x())
+                  random_x())
   # A carry that is itself a pair is a fold, not a mistake.
   out = _in_transform(
       lambda x: cls(lambda: lambda c: (c[0] + 1, c[1] * 2), N, name="h").fold(
-          (x, jnp.sum(x))), _x())
+          (x, jnp.sum(x))), random_x())
   assert out == {}
 
 
@@ -702,11 +667,11 @@ def test_carry_shape_change(cls, kind):
 
   with pytest.raises(TypeError, match=(
       rf"changed carry from float32\[{B}, {D}\] to float32\[{B}, {2 * D}\]")):
-    _in_transform(lambda x: getattr(cls(lambda: block, N), kind)(x), _x())
+    _in_transform(lambda x: getattr(cls(lambda: block, N), kind)(x), random_x())
 
 
 @pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
 def test_carry_cannot_be_per_layer(cls):
   with pytest.raises(TypeError, match=r"the carry x cannot be per_layer"):
     _in_transform(lambda x: cls(lambda: lambda x: x, N).fold(st.per_layer(x)),
-                  _x((N, D)))
+                  random_x((N, D)))
