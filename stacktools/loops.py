@@ -17,7 +17,6 @@ at the end rather than a worse split.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar, Union
 
@@ -27,6 +26,7 @@ from jax import lax
 
 from stacktools import _checks
 from stacktools import policy as policy_lib
+from stacktools import segments as segments_lib
 
 Carry = TypeVar("Carry")
 Y = TypeVar("Y")
@@ -55,7 +55,8 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
       dtypes.
     length: the number of steps; needed when ``xs`` is ``None``, checked
       against the leading axis of ``xs`` otherwise.
-    remat: a checkpoint policy or alias (see :class:`CheckpointPolicy`).
+    remat: a checkpoint policy or alias (see :class:`CheckpointPolicy`),
+      :func:`per_depth` segments, or ``"auto"`` (see :func:`plan_remat`).
     unroll: steps per rolled loop iteration (>= 1), or ``True`` to unroll
       fully, as in ``jax.lax.scan``.
     reverse: run from the last element of ``xs`` to the first.
@@ -63,7 +64,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
   Returns:
     ``run(init, xs=None) -> carry``.
   """
-  policy = policy_lib.CheckpointPolicy.from_remat(remat)
+  remat = segments_lib.as_remat(remat)
   unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
@@ -73,7 +74,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
 
   def run(init: Carry, xs: PyTree = None) -> Carry:
     n = _checks.loop_length(xs, length)
-    carry, _ = _loop(step, init, xs, n, policy, unroll, reverse)
+    carry, _ = _loop(step, init, xs, n, remat, unroll, reverse)
     return carry
 
   return run
@@ -112,7 +113,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
     ``run(init, xs=None) -> (carry, ys)``, every leaf of ``ys`` with a leading
     axis of the loop length.
   """
-  policy = policy_lib.CheckpointPolicy.from_remat(remat)
+  remat = segments_lib.as_remat(remat)
   unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
@@ -124,7 +125,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
 
   def run(init: Carry, xs: PyTree = None) -> tuple[Carry, Y]:
     n = _checks.loop_length(xs, length)
-    return _loop(step, init, xs, n, policy, unroll, reverse)
+    return _loop(step, init, xs, n, remat, unroll, reverse)
 
   return run
 
@@ -220,8 +221,31 @@ def nested_split(length: int, nested: Union[bool, int], *, carry_bytes: float = 
 # The loop itself.
 
 
-def _loop(step, init, xs, n, policy, unroll, reverse):
-  if policy.disable or n == 0:
+def _loop(step, init, xs, n, remat, unroll, reverse):
+  """Runs the loop segment by segment (one segment unless ``per_depth``)."""
+  if n == 0:
+    return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
+
+  def probe():   # the names the body tags, for a plan that discovers loops
+    first = jax.tree_util.tree_map(lambda a: a[0], xs)
+    return _checks.names_tagged_in(step, init, first)
+
+  segments = segments_lib.segments_for(remat, n, probe=probe)
+  if len(segments) == 1:
+    return _loop_segment(step, init, xs, n, segments[0].policy, unroll, reverse)
+  # Consecutive loops over static slices of the same xs: the caller's xs and
+  # ys keep one leading axis, as for a single policy.
+  ys = [None] * len(segments)
+  carry = init
+  for i in (reversed(range(len(segments))) if reverse else range(len(segments))):
+    start, length, policy = segments[i]
+    part = jax.tree_util.tree_map(lambda a: a[start:start + length], xs)  # pylint: disable=cell-var-from-loop
+    carry, ys[i] = _loop_segment(step, carry, part, length, policy, unroll, reverse)
+  return carry, jax.tree_util.tree_map(lambda *p: jnp.concatenate(p), *ys)
+
+
+def _loop_segment(step, init, xs, n, policy, unroll, reverse):
+  if policy.disable:
     return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
   if not policy.nested:
     return lax.scan(policy.checkpoint_step(step), init, xs, length=n,

@@ -39,7 +39,8 @@ INPUT_NAME = "stacktools_input"
 #: Name given to the carry entering each outer step of a nested loop, so that
 #: ``save_carries="offload"`` can move those carries to host memory too.
 OUTER_CARRY_NAME = "stacktools_outer_carry"
-_RESERVED_NAMES = (CARRY_NAME, INPUT_NAME, OUTER_CARRY_NAME)
+#: Names stacktools gives values itself; a policy may not list them.
+RESERVED_NAMES = (CARRY_NAME, INPUT_NAME, OUTER_CARRY_NAME)
 
 SaveOption = Union[bool, Literal["offload"]]
 RematSpec = Union[bool, str, "CheckpointPolicy", None]
@@ -122,7 +123,7 @@ def _as_names(field: str, value: Any) -> tuple[str, ...]:
       raise TypeError(
           f"CheckpointPolicy({field}=...) holds {name!r}, which is not a string; "
           "list the names passed to st.checkpoint_name.")
-    if name in _RESERVED_NAMES:
+    if name in RESERVED_NAMES:
       raise ValueError(
           f"CheckpointPolicy({field}=...) names {name!r}, which stacktools "
           "reserves for loop carries and inputs; use save_carries= or "
@@ -329,7 +330,7 @@ class CheckpointPolicy:
         # Recorded names cover st.checkpoint_name only; a block may also tag
         # with jax.ad_checkpoint.checkpoint_name, which only its jaxpr shows.
         _checks.check_names_tagged(wanted, step, carry, x,
-                                   reserved=_RESERVED_NAMES)
+                                   reserved=RESERVED_NAMES)
       return out
 
     return jax.checkpoint(named_step, policy=self.jax_policy(),

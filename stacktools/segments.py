@@ -1,0 +1,258 @@
+"""Which checkpoint policy each layer of a loop gets: per-depth segments and "auto".
+
+A ``remat=`` value is one of three things:
+
+* a single policy (an alias or a :class:`CheckpointPolicy`) for every layer;
+* :func:`per_depth` segments: consecutive runs of layers, each with its own
+  policy, run as consecutive loops over slices of the same stacked inputs;
+* ``"auto"``: the policy comes from the active :class:`stacktools.RematPlan`
+  (``with plan: ...``), chosen by :func:`stacktools.plan_remat` under a
+  memory budget.
+
+In pseudo-code, a loop of ``length`` steps with ``remat=`` runs::
+
+  for segment in segments_for(remat, length):     # reversed when reverse=True
+    carry, ys[segment] = loop(step, carry, xs[segment], segment.policy)
+
+This module knows nothing of Haiku; ``loops.py`` reads it, and ``plan.py``
+installs the contexts that answer ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Optional, Protocol, Union
+
+from stacktools import _checks
+from stacktools import policy as policy_lib
+
+#: The ``remat=`` value that asks the active plan for a policy.
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDepth:
+  """Per-depth checkpoint policies; build one with :func:`per_depth`.
+
+  Attributes:
+    segments: ``(num_layers, policy)`` pairs, in layer order.
+  """
+
+  segments: tuple[tuple[int, policy_lib.CheckpointPolicy], ...]
+
+  @property
+  def num_layers(self) -> int:
+    return sum(count for count, _ in self.segments)
+
+  def __str__(self) -> str:
+    return ",".join(f"{describe_policy(p)}:{count}" for count, p in self.segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRemat:
+  """``remat="auto"`` for one loop; ``key`` names it in a plan.
+
+  Haiku stacks use their module name; a pure-JAX loop has ``key=None`` and is
+  told apart from other loops by the order in which it is traced.
+  """
+
+  key: Optional[str] = None
+
+
+Remat = Union[policy_lib.CheckpointPolicy, PerDepth, AutoRemat]
+
+
+class Segment(NamedTuple):
+  """A run of consecutive layers ``[start, start + length)`` with one policy."""
+
+  start: int
+  length: int
+  policy: policy_lib.CheckpointPolicy
+
+
+def per_depth(*segments: tuple[int, policy_lib.RematSpec]) -> PerDepth:
+  """Per-depth checkpoint policies: consecutive segments of one stack.
+
+  The segments run in order as consecutive loops over slices of the *same*
+  stacked parameters, so the parameter tree, per-layer inputs and scan
+  outputs are exactly those of one stack, and ``layer_index()`` is global.
+  ``reverse=True`` runs the segments in reverse order.
+
+  Example::
+
+    remat = st.per_depth((16, "none"), (48, "full"))   # keep all in 16 layers
+    blocks = st.Stacked(Block, num_layers=64, remat=remat, name="h")
+
+  Args:
+    *segments: ``(num_layers, remat)`` pairs; ``remat`` is any alias or
+      :class:`CheckpointPolicy` (``"nested"`` included). The counts must add
+      up to the stack's length.
+
+  Returns:
+    A value accepted wherever ``remat=`` is.
+
+  Raises:
+    ValueError: for no segments, a count below 1, or a remat that is itself
+      per-depth or ``"auto"``.
+  """
+  if not segments:
+    raise ValueError("st.per_depth needs at least one (num_layers, remat) segment, "
+                     "e.g. st.per_depth((16, 'none'), (48, 'full')).")
+  parsed = []
+  for i, segment in enumerate(segments):
+    if not isinstance(segment, (tuple, list)) or len(segment) != 2:
+      raise TypeError(
+          f"st.per_depth: segment {i} is {segment!r}; each segment is a pair "
+          "(num_layers, remat), e.g. (16, 'none').")
+    count, remat = segment
+    value = _checks.as_int(count)
+    if value is None or value < 1:
+      raise ValueError(f"st.per_depth: segment {i} has num_layers={count!r}; "
+                       "each segment needs an int >= 1.")
+    if isinstance(remat, (PerDepth, AutoRemat)) or (
+        isinstance(remat, str) and remat.lower() == AUTO):
+      raise ValueError(f"st.per_depth: segment {i} has remat={remat!r}; a "
+                       "segment takes one policy (an alias or CheckpointPolicy).")
+    parsed.append((value, policy_lib.CheckpointPolicy.from_remat(remat)))
+  return PerDepth(tuple(parsed))
+
+
+def parse_per_depth(spec: str) -> PerDepth:
+  """``"none:2,full:6"`` -> ``per_depth((2, "none"), (6, "full"))``.
+
+  Example::
+
+    st.parse_per_depth("none:16,full:48")
+
+  Args:
+    spec: comma-separated ``alias:num_layers`` pairs.
+
+  Returns:
+    The per-depth policies.
+  """
+  segments = []
+  for part in spec.split(","):
+    alias, sep, count = part.strip().rpartition(":")
+    if not sep or not count.strip().isdigit():
+      raise ValueError(
+          f"{spec!r} is not a per-depth spec: each part is alias:num_layers, "
+          f"e.g. 'none:2,full:6' (aliases: {', '.join(policy_lib.REMAT_ALIASES)}).")
+    segments.append((int(count), alias.strip()))
+  return per_depth(*segments)
+
+
+def describe_policy(policy: policy_lib.CheckpointPolicy) -> str:
+  """The alias a policy is, or a short description of its fields."""
+  for alias, known in policy_lib.REMAT_ALIASES.items():
+    if policy == known:
+      return alias
+  defaults = policy_lib.CheckpointPolicy()
+  fields = [f"{f.name}={getattr(policy, f.name)!r}"
+            for f in dataclasses.fields(policy)
+            if getattr(policy, f.name) != getattr(defaults, f.name)]
+  return f"CheckpointPolicy({', '.join(fields)})"
+
+
+def describe_remat(remat: Remat) -> str:
+  """A short, readable form of any remat value, for logs and reports."""
+  if isinstance(remat, PerDepth):
+    return f"per_depth({remat})"
+  if isinstance(remat, AutoRemat):
+    return AUTO
+  return describe_policy(remat)
+
+
+def as_remat(remat: Any, *, key: Optional[str] = None) -> Remat:
+  """Checks any ``remat=`` value; ``"auto"`` becomes an :class:`AutoRemat`."""
+  if isinstance(remat, (PerDepth, AutoRemat)):
+    return remat
+  if isinstance(remat, str) and remat.lower() == AUTO:
+    return AutoRemat(key)
+  return policy_lib.CheckpointPolicy.from_remat(remat)
+
+
+# ---------------------------------------------------------------------------
+# "auto": who answers it.
+
+
+class PlanContext(Protocol):
+  """What answers ``remat="auto"`` while a plan is active (see plan.py)."""
+
+  def remat_for(self, key: Optional[str], length: int,
+                probe: Callable[[], set[str]]) -> Any:
+    """The remat value for the loop ``key`` of ``length`` steps.
+
+    ``probe()`` returns the names the loop's body tags with checkpoint_name;
+    only a context that discovers loops calls it (it traces the body again).
+    """
+
+
+_local = threading.local()
+
+
+def _contexts() -> list[PlanContext]:
+  if not hasattr(_local, "contexts"):
+    _local.contexts = []
+  return _local.contexts
+
+
+def plan_active() -> bool:
+  """Whether a plan (or the planner's discovery) answers ``"auto"`` now."""
+  return bool(_contexts())
+
+
+@contextlib.contextmanager
+def plan_context(context: PlanContext) -> Iterator[PlanContext]:
+  """Makes ``context`` answer ``remat="auto"`` inside the ``with`` block."""
+  _contexts().append(context)
+  try:
+    yield context
+  finally:
+    _contexts().pop()
+
+
+def segments_for(remat: Any, length: int, *, owner: str = "",
+                 probe: Optional[Callable[[], set[str]]] = None) -> tuple[Segment, ...]:
+  """The segments a loop of ``length`` steps runs with ``remat``.
+
+  Args:
+    remat: any ``remat=`` value.
+    length: the number of steps (layers).
+    owner: who asks, for error messages (``"Stacked"``).
+    probe: returns the names the body tags, for a plan that discovers loops.
+
+  Returns:
+    Consecutive segments covering ``0..length-1`` in layer order.
+
+  Raises:
+    ValueError: when per-depth counts do not add up to ``length``, a nested
+      outer size exceeds its segment, or ``"auto"`` is used outside a plan.
+  """
+  remat = as_remat(remat)
+  where = f"{owner}: " if owner else ""
+  if isinstance(remat, AutoRemat):
+    if not _contexts():
+      raise ValueError(
+          f"{where}remat='auto' needs a plan, and none is active. Make one and "
+          "trace inside it: plan = st.plan_remat(step_fn, *args, "
+          "budget='48MiB'); then `with plan:` around the first call (or "
+          ".lower()) of the jitted step, since jax.jit traces at its first "
+          "call; or jax.jit(plan.wrap(step_fn)). Or pick a policy: remat='full'.")
+    chosen = _contexts()[-1].remat_for(remat.key, length, probe or set)
+    return segments_for(chosen, length, owner=owner)
+  if isinstance(remat, policy_lib.CheckpointPolicy):
+    _checks.check_nested_outer(remat.nested, length, owner)
+    return (Segment(0, length, remat),)
+  if remat.num_layers != length:
+    raise ValueError(
+        f"{where}st.per_depth({remat}) covers {remat.num_layers} layers, but the "
+        f"stack has {length}. Make the segment counts add up to {length}.")
+  segments, start = [], 0
+  for count, policy in remat.segments:
+    _checks.check_nested_outer(policy.nested, count, owner)
+    segments.append(Segment(start, count, policy))
+    start += count
+  return tuple(segments)
