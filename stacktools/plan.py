@@ -141,5 +141,6 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       memory and its plan.
   """
   report = report_lib.remat_report(step_fn, *args, measure=measure,
-                                   repeats=repeats, offload=offload, only=only)
+                                   repeats=repeats, offload=offload, only=only,
+                                   budget=budget)
   return RematPlan.from_report(report, budget=budget, by_time=measure)

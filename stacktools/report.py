@@ -343,7 +343,8 @@ def _joint_plans(per_stack: Mapping[str, Mapping[str, Any]]) -> list[dict[str, s
 
 def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
                  repeats: int = 5, offload: Optional[bool] = None,
-                 only: Optional[Sequence[str]] = None) -> RematReport:
+                 only: Optional[Sequence[str]] = None,
+                 budget: Union[int, str, None] = None) -> RematReport:
   """Compiles ``step_fn`` once per candidate plan and reports each one's cost.
 
   ``step_fn``'s stacks are built with ``remat="auto"``; they are found by
@@ -366,6 +367,8 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
       host memory.
     only: compile only the candidates with these labels (``"full"``,
       ``"save:mlp_hidden"``, ``"none:16,full:48"``, ...), to plan faster.
+    budget: bytes or e.g. ``"48MiB"``; rows over it are marked, and with
+      ``measure=True`` only the plans within it are timed.
 
   Returns:
     The report.
@@ -375,16 +378,20 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
     offload = host_memory_available()
   per_stack = {s.key: _restrict(candidates(s, offload=offload), only, s.key)
                for s in stacks}
+  budget_bytes = None if budget is None else parse_bytes(budget)
   rows, start = [], time.perf_counter()
   for plan in _joint_plans(per_stack):
     choice = {k: per_stack[k][label] for k, label in plan.items()}
     planned = under(Fixed(choice), step_fn)
     compiled = jax.jit(planned).lower(*args).compile()
     xla_flops, accessed = _cost(compiled)
-    step_time = _median_time(compiled, args, repeats) if measure else None
+    temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
+    timed = measure and (budget_bytes is None or temp_bytes <= budget_bytes)
+    step_time = _median_time(compiled, args, repeats) if timed else None
     rows.append(ReportRow(plan=plan, flops=_costs.flops(planned, *args),
                           xla_flops=xla_flops, bytes_accessed=accessed,
-                          temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
+                          temp_bytes=temp_bytes,
                           step_time_s=step_time))
   return RematReport(stacks=stacks, rows=tuple(rows), remats=per_stack,
+                     budget=budget_bytes,
                      compile_seconds=time.perf_counter() - start)
