@@ -2,6 +2,9 @@
 
 import setuptools
 
+# The range the example's checkpoint code and its tests have passed with.
+ORBAX = "orbax-checkpoint>=0.12.8,<0.13"
+
 setuptools.setup(
     name="stacktools",
     version="0.1.0",
@@ -22,8 +25,11 @@ setuptools.setup(
         "absl-py>=2.0",
         "numpy>=1.26",
     ],
+    # Orbax saves and restores the GPT example's checkpoints; the library
+    # itself never imports it. No TensorFlow comes with it.
     extras_require={
-        "test": ["pytest>=8"],
+        "examples": [ORBAX, "matplotlib>=3.7"],
+        "test": ["pytest>=8", ORBAX],
         "plot": ["matplotlib>=3.7"],
     },
 )

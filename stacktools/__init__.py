@@ -1,5 +1,7 @@
 """stacktools: stack a repeated block's parameters and apply it with one scan."""
 
+from stacktools._kinds import per_kind
+from stacktools._kinds import PerKind
 from stacktools._layers import layer_index
 from stacktools._layers import per_layer
 from stacktools._layers import PerLayer
@@ -9,9 +11,16 @@ from stacktools.loops import nested_split
 from stacktools.loops import scan
 from stacktools.params import stack_params
 from stacktools.params import unstack_params
+from stacktools.plan import plan_remat
+from stacktools.plan import RematPlan
 from stacktools.policy import checkpoint_name
 from stacktools.policy import CheckpointPolicy
 from stacktools.policy import REMAT_ALIASES
+from stacktools.report import remat_report
+from stacktools.report import RematReport
+from stacktools.segments import parse_per_depth
+from stacktools.segments import per_depth
+from stacktools.segments import PerDepth
 from stacktools.seq import BlockSeq
 from stacktools.sharding import stacked_partition_specs
 from stacktools.stack import layer_stack
@@ -22,8 +31,12 @@ __version__ = "0.1.0"
 __all__ = (
     "BlockSeq",
     "CheckpointPolicy",
+    "PerDepth",
+    "PerKind",
     "PerLayer",
     "REMAT_ALIASES",
+    "RematPlan",
+    "RematReport",
     "Stacked",
     "checkpoint_name",
     "fold",
@@ -31,7 +44,12 @@ __all__ = (
     "layer_stack",
     "map",
     "nested_split",
+    "parse_per_depth",
+    "per_depth",
+    "per_kind",
     "per_layer",
+    "plan_remat",
+    "remat_report",
     "scan",
     "stack_params",
     "stacked_partition_specs",

@@ -34,7 +34,9 @@ import haiku as hk
 import jax
 
 from stacktools import _checks
+from stacktools import _kinds
 from stacktools import policy as policy_lib
+from stacktools import segments as segments_lib
 
 PyTree = Any
 
@@ -125,29 +127,42 @@ def layer_index() -> jax.Array:
 
 
 class BlockArguments:
-  """Splits a call's arguments into broadcast ones and per-layer ones."""
+  """Splits a call's arguments into broadcast, per-layer and per-kind ones.
+
+  ``sliced`` holds the per-layer ones (layer order); ``by_kind`` the
+  :func:`per_kind` ones of a mixed-layer stack (``{kind: tree}``).
+  """
 
   def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any],
-               num_layers: int, owner: str):
+               num_layers: int, owner: str,
+               pattern: Optional[_kinds.Pattern] = None):
     self._args = tuple(args)
     self._kwargs = dict(kwargs)
     self.sliced: dict[str, PyTree] = {}
-    for i, arg in enumerate(self._args):
-      if isinstance(arg, PerLayer):
-        self.sliced[f"arg{i}"] = arg.value
-    for key, arg in self._kwargs.items():
-      if isinstance(arg, PerLayer):
-        self.sliced[f"kw_{key}"] = arg.value
-    for key, value in self.sliced.items():
+    self.by_kind: dict[str, Mapping[str, PyTree]] = {}
+    marked = [(f"arg{i}", a) for i, a in enumerate(self._args)]
+    marked += [(f"kw_{k}", a) for k, a in self._kwargs.items()]
+    for key, arg in marked:
       label = (f"positional argument {key[3:]}" if key.startswith("arg")
                else f"keyword argument {key[3:]!r}")
-      _checks.check_leading_axis(value, num_layers, f"{owner}: per_layer {label}")
+      if isinstance(arg, PerLayer):
+        self.sliced[key] = arg.value
+        _checks.check_leading_axis(arg.value, num_layers, f"{owner}: per_layer {label}")
+      elif isinstance(arg, _kinds.PerKind):
+        if pattern is None:
+          raise TypeError(
+              f"{owner}: st.per_kind marks {label} per kind of a pattern, but "
+              "this stack has no pattern=; use st.per_layer for a per-layer "
+              "input of a stack of one block.")
+        self.by_kind[key] = arg.value
+        _kinds.check_per_kind(arg.value, pattern.counts, f"{owner}: per_kind {label}")
 
   def bind(self, sliced: Mapping[str, PyTree]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with per-layer ones replaced by one layer's slice."""
-    args = tuple(sliced[f"arg{i}"] if isinstance(a, PerLayer) else a
+    marker = (PerLayer, _kinds.PerKind)
+    args = tuple(sliced[f"arg{i}"] if isinstance(a, marker) else a
                  for i, a in enumerate(self._args))
-    kwargs = {k: sliced[f"kw_{k}"] if isinstance(a, PerLayer) else a
+    kwargs = {k: sliced[f"kw_{k}"] if isinstance(a, marker) else a
               for k, a in self._kwargs.items()}
     return args, kwargs
 
@@ -191,6 +206,31 @@ def draw_layer_keys(num_layers: int) -> LayerKeys:
   return LayerKeys(init_keys, apply_keys)
 
 
+def lift_layers(inner: hk.TransformedWithState, init_keys: Optional[jax.Array],
+                x: PyTree, sliced: PyTree, indices: jax.Array):
+  """The layers' parameters and state, from one ``jax.vmap`` of ``inner.init``.
+
+  Lifted into the current module (every leaf gains a leading axis of
+  ``len(indices)``); layer ``j`` is initialised from ``init_keys[j]`` on
+  ``x`` and its slice of ``sliced``, with ``layer_index() == indices[j]``.
+
+  Returns:
+    ``(params, state, updater)``: the lift's updater takes the new state.
+  """
+
+  def init_all_layers(init_keys, x, sliced):
+    def init_one(key, layer_sliced, index):
+      with at_layer(index):
+        return inner.init(key, x, layer_sliced)
+    return jax.vmap(init_one, in_axes=(None if init_keys is None else 0, 0, 0),
+                    axis_size=len(indices))(init_keys, sliced, indices)
+
+  params_and_state, updater = hk.transparent_lift_with_state(
+      init_all_layers, allow_reuse=True)
+  params, state = params_and_state(init_keys, x, sliced)
+  return params, state, updater
+
+
 class LayerSlice(NamedTuple):
   """One layer's share of a stack: what each step of the loop reads."""
 
@@ -229,16 +269,22 @@ class StackModule(hk.Module):
   implements :meth:`run_layers`.
   """
 
-  def __init__(self, make_block: Callable[[], Callable[..., Any]], num_layers: int,
+  def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, reverse: bool = False,
-               name: Optional[str] = None):
+               pattern: Optional[Sequence[str]] = None,
+               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
     super().__init__(name=name)
     owner = type(self).__name__
-    _checks.check_factory(make_block, owner)
-    self.make_block = make_block
     self.num_layers = _checks.check_num_layers(num_layers, owner)
-    self.policy = policy_lib.CheckpointPolicy.from_remat(remat)
-    _checks.check_nested_outer(self.policy.nested, self.num_layers, owner)
+    # None for a stack of one block; a mixed-layer stack's kinds otherwise.
+    self.pattern = _kinds.Pattern.build(make_block, pattern, self.num_layers,
+                                        ys_by_kind, owner)
+    self.make_block = make_block
+    # "auto" is keyed by this module's unique name, so that a plan tells
+    # several stacks apart; anything else is checked against the depth now.
+    self.remat = segments_lib.as_remat(remat, key=self.module_name)
+    if not isinstance(self.remat, segments_lib.AutoRemat):
+      segments_lib.segments_for(self.remat, self.num_layers, owner=owner)
     self.reverse = reverse
 
   def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
@@ -274,6 +320,9 @@ class StackModule(hk.Module):
                  arguments: BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
     """Inits and applies every layer; returns ``(x, ys)`` (``ys`` None for a fold).
 
+    ``inner`` is one transform, or ``{kind: transform}`` for a stack with a
+    pattern.
+
     Haiku scopes the modules a method creates under ``~<method>``, so an
     override is decorated with ``@StackModule.layer_scope`` to keep the
     block's parameters directly under the stack's name.
@@ -288,12 +337,27 @@ class StackModule(hk.Module):
   @hk.experimental.name_like("__call__")
   def _apply(self, x, args, kwargs, *, kind):
     owner = type(self).__name__
-    if isinstance(x, PerLayer):
+    if isinstance(x, (PerLayer, _kinds.PerKind)):
       raise TypeError(f"{owner}.{kind}: the carry x cannot be per_layer; only "
                       "the arguments after it can be.")
-    arguments = BlockArguments(args, kwargs, self.num_layers, owner)
+    arguments = BlockArguments(args, kwargs, self.num_layers, owner, self.pattern)
+    if self.pattern is not None:   # one inner transform per kind
+      inners = {name: make_inner(self.pattern.block_call(name, kind, owner), arguments)
+                for name in self.pattern.names}
+      return self.run_layers(inners, x, arguments, kind)
 
     def block_call(x, *a, **k):
       return self.make_block()(x, *a, **k)
 
     return self.run_layers(make_inner(block_call, arguments), x, arguments, kind)
+
+  def remat_now(self) -> segments_lib.Remat:
+    """The remat to trace with: ``"auto"`` needs no plan at init.
+
+    Init is never differentiated, so no policy changes it; a plan is made
+    from initialised parameters, so init cannot wait for one.
+    """
+    if (isinstance(self.remat, segments_lib.AutoRemat) and hk.running_init()
+        and not segments_lib.plan_active()):
+      return policy_lib.REMAT_ALIASES["none"]
+    return self.remat

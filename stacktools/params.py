@@ -6,18 +6,25 @@ A :class:`Stacked` named ``model/h`` keeps a parameter as
 [d, d]}}`` for ``i`` in ``0..N-1``. These functions rewrite one layout into
 the other. Haiku state has the same two-level shape, so they convert state
 too. Nothing outside ``prefix`` is touched.
+
+A mixed-layer stack (``pattern=``) keeps each kind's stack under
+``model/h/<kind>/...``, with a leading axis of that kind's count; given the
+same ``pattern``, these functions rewrite it into the per-layer layout
+``model/h/layer_<i>/...`` in layer order (the layout of a ``BlockSeq`` with
+that pattern) and back.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
 from stacktools import _checks
+from stacktools import _kinds
 
 Bundle = Mapping[str, Mapping[str, Any]]
 
@@ -33,7 +40,8 @@ def _check_prefix(prefix: str) -> str:
   return prefix
 
 
-def unstack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
+def unstack_params(params: Bundle, prefix: str, *,
+                   pattern: Optional[Sequence[str]] = None) -> dict[str, dict[str, Any]]:
   """Stacked layout -> BlockSeq layout, for every module under ``prefix``.
 
   Example::
@@ -41,16 +49,22 @@ def unstack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
     seq_params = st.unstack_params(params, "model/h")
     # {"model/h/layer_0/block/linear": {"w": [d, d], ...}, ...}
 
+    seq_params = st.unstack_params(params, "model/h", pattern=("local",) * 5 + ("global",))
+    # model/h/local/... and model/h/global/... -> model/h/layer_<i>/...
+
   Args:
     params: Haiku params or state, ``{module: {name: array}}``.
     prefix: the Stacked module's full name.
+    pattern: the mixed-layer stack's pattern, for params laid out per kind.
 
   Returns:
     A new dict; modules under ``prefix`` are split along their leading axis.
 
   Raises:
     ValueError: when nothing lies under ``prefix``, the leading axes differ,
-      or the modules under ``prefix`` are already in the BlockSeq layout.
+      the modules under ``prefix`` are already in the BlockSeq layout, or
+      (with ``pattern``) a module lies under no kind of the pattern or the
+      kinds' counts are not the pattern's.
   """
   _check_prefix(prefix)
   stacked = {k: v for k, v in params.items() if _under(k, prefix)}
@@ -59,39 +73,82 @@ def unstack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
         f"unstack_params: no module is named {prefix!r} or lies under it; the "
         f"modules are {sorted(params)}. Pass the Stacked module's full name.")
   _check_not_unstacked(stacked, prefix)
-  num_layers = _common_leading_axis(stacked, prefix)
   out = {k: dict(v) for k, v in params.items() if not _under(k, prefix)}
-  for key, bundle in stacked.items():
-    rest = key[len(prefix):]
-    for i in range(num_layers):
-      out[f"{prefix}/layer_{i}{rest}"] = {name: value[i] for name, value in bundle.items()}
+  if pattern is None:
+    groups = {prefix: (stacked, np.arange(_common_leading_axis(stacked, prefix)))}
+  else:
+    groups = _kind_groups(stacked, prefix, pattern)
+  for scope, (modules, layer_ids) in groups.items():
+    for key, bundle in modules.items():
+      rest = key[len(scope):]
+      for rank, i in enumerate(layer_ids):
+        out[f"{prefix}/layer_{i}{rest}"] = {name: value[rank]
+                                            for name, value in bundle.items()}
   return out
 
 
-def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
+def _kinds_of(pattern: Any, where: str) -> tuple[str, ...]:
+  kinds = tuple(pattern)
+  if not kinds or not all(isinstance(k, str) and k for k in kinds):
+    raise ValueError(f"{where}: pattern={pattern!r} must be the stack's pattern, a "
+                     "non-empty sequence of kind names.")
+  return kinds
+
+
+def _kind_groups(stacked: Bundle, prefix: str, pattern: Any):
+  """``{prefix/kind: (modules, layer ids)}`` of a mixed-layer stack's params."""
+  kinds = _kinds_of(pattern, "unstack_params")
+  modules: dict[str, dict[str, Any]] = {}
+  for key, bundle in stacked.items():
+    kind = key[len(prefix) + 1:].split("/")[0]
+    if kind not in kinds:
+      raise ValueError(
+          f"unstack_params: {key!r} lies under no kind of pattern {kinds}; a "
+          f"mixed-layer stack keeps each kind under {prefix}/<kind>/. Pass the "
+          "stack's own pattern, or no pattern for a stack of one block.")
+    modules.setdefault(kind, {})[key] = bundle
+  counts = {kind: _common_leading_axis(modules[kind], f"{prefix}/{kind}")
+            for kind in dict.fromkeys(kinds) if kind in modules}
+  layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, sum(counts.values()))
+  expected = {k: c for k, c in layout.counts.items() if c}
+  if counts != expected:
+    raise ValueError(
+        f"unstack_params: the kinds under {prefix!r} hold {counts} layers, but "
+        f"pattern {kinds} over {layout.num_layers} layers has {expected}. Pass "
+        "the pattern the stack was built with.")
+  return {f"{prefix}/{kind}": (group, layout.layer_ids(kind))
+          for kind, group in modules.items()}
+
+
+def stack_params(params: Bundle, prefix: str, *,
+                 pattern: Optional[Sequence[str]] = None) -> dict[str, dict[str, Any]]:
   """BlockSeq layout -> Stacked layout: the exact inverse of :func:`unstack_params`.
 
   Example::
 
     params = st.stack_params(st.unstack_params(params, "model/h"), "model/h")
+    params = st.stack_params(seq_params, "model/h", pattern="LLLG")  # -> h/L, h/G
 
   Args:
     params: Haiku params or state with modules ``<prefix>/layer_<i>/...``.
     prefix: the BlockSeq module's full name.
+    pattern: the pattern of a mixed-layer stack: layer ``i`` goes to the
+      stack of kind ``pattern[i % len(pattern)]``, ``<prefix>/<kind>/...``.
 
   Returns:
     A new dict with each per-layer module stacked on a new leading axis.
 
   Raises:
     ValueError: when no ``layer_<i>`` module lies under ``prefix``, or the
-      layers do not all hold the same modules and names for ``i = 0..N-1``.
+      layers (of each kind, with ``pattern``) do not all hold the same
+      modules and names.
   """
   _check_prefix(prefix)
-  pattern = _layer_pattern(prefix)
+  layer_re = _layer_pattern(prefix)
   layers: dict[str, dict[int, Mapping[str, Any]]] = {}
   out = {}
   for key, bundle in params.items():
-    match = pattern.match(key)
+    match = layer_re.match(key)
     if match is None:
       out[key] = dict(bundle)
       continue
@@ -101,29 +158,45 @@ def stack_params(params: Bundle, prefix: str) -> dict[str, dict[str, Any]]:
         f"stack_params: no module named {prefix}/layer_<i>/...; the modules are "
         f"{sorted(params)}. Pass the BlockSeq module's full name.")
   num_layers = max(max(by_index) for by_index in layers.values()) + 1
+  if pattern is None:
+    scope_of, ids_of, what = (lambda i: prefix), (lambda i: range(num_layers)), "layer"
+  else:
+    kinds = _kinds_of(pattern, "stack_params")
+    layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, num_layers)
+    scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
+    ids_of = lambda i: layout.layer_ids(layout.kind_of(i)).tolist()  # pylint: disable=unnecessary-lambda-assignment
+    what = "layer of its kind"
   for rest, by_index in layers.items():
-    missing = sorted(set(range(num_layers)) - set(by_index))
-    if missing:
-      raise ValueError(
-          f"stack_params: {prefix}/layer_<i>{rest} is missing for layers "
-          f"{missing} of 0..{num_layers - 1}; every layer needs the same modules.")
-    names = set(by_index[0])
-    for i, bundle in sorted(by_index.items()):
-      if set(bundle) != names:
+    for scope in dict.fromkeys(scope_of(i) for i in sorted(by_index)):
+      ids = next(ids_of(i) for i in sorted(by_index) if scope_of(i) == scope)
+      missing = sorted(set(ids) - set(by_index))
+      if missing:
         raise ValueError(
-            f"stack_params: {prefix}/layer_{i}{rest} holds {sorted(bundle)} but "
-            f"layer_0 holds {sorted(names)}; every layer needs the same names.")
-      for name in names:
-        got, want = _checks.signature(bundle[name]), _checks.signature(by_index[0][name])
-        if got != want:
-          raise ValueError(
-              f"stack_params: {prefix}/layer_{i}{rest}/{name} is {got[1]}"
-              f"{list(got[0])} but layer_0's is {want[1]}{list(want[0])}; "
-              "layers can only be stacked when their shapes and dtypes agree.")
-    out[prefix + rest] = {
-        name: _stack([by_index[i][name] for i in range(num_layers)])
-        for name in sorted(names)}
+            f"stack_params: {prefix}/layer_<i>{rest} is missing for layers "
+            f"{missing} of 0..{num_layers - 1}; every {what} needs the same modules.")
+      out[scope + rest] = _stack_layers({i: by_index[i] for i in ids}, prefix, rest)
   return out
+
+
+def _stack_layers(by_index: Mapping[int, Mapping[str, Any]], prefix: str,
+                  rest: str) -> dict[str, Any]:
+  """One module's bundles of layers ``i`` (in order), stacked on a new axis."""
+  first = min(by_index)
+  names = set(by_index[first])
+  for i, bundle in sorted(by_index.items()):
+    if set(bundle) != names:
+      raise ValueError(
+          f"stack_params: {prefix}/layer_{i}{rest} holds {sorted(bundle)} but "
+          f"layer_{first} holds {sorted(names)}; every layer needs the same names.")
+    for name in names:
+      got, want = _checks.signature(bundle[name]), _checks.signature(by_index[first][name])
+      if got != want:
+        raise ValueError(
+            f"stack_params: {prefix}/layer_{i}{rest}/{name} is {got[1]}"
+            f"{list(got[0])} but layer_{first}'s is {want[1]}{list(want[0])}; "
+            "layers can only be stacked when their shapes and dtypes agree.")
+  return {name: _stack([by_index[i][name] for i in sorted(by_index)])
+          for name in sorted(names)}
 
 
 def _layer_pattern(prefix: str) -> re.Pattern[str]:

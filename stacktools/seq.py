@@ -15,7 +15,7 @@ unstacked parameters reproduces Stacked exactly, dropout included.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import haiku as hk
@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 from stacktools import _checks
 from stacktools import _layers
+from stacktools import periods
 from stacktools import policy as policy_lib
+from stacktools import segments as segments_lib
 
 PyTree = Any
 
@@ -66,20 +68,34 @@ class BlockSeq(_layers.StackModule):
     seq = st.BlockSeq(lambda: Block(cfg), num_layers=12, remat="full", name="h")
     x = seq.fold(x, mask)
 
+  With ``pattern=`` it is the twin of a mixed-layer :class:`Stacked`: layer
+  ``i`` is of kind ``pattern[i % len(pattern)]`` and lives under
+  ``h/layer_<i>/``, the layout :func:`unstack_params` gives with the same
+  pattern::
+
+    seq = st.BlockSeq({"local": make_local, "global": make_global},
+                      num_layers=26, pattern=("local",) * 5 + ("global",),
+                      name="h")
+
   Args:
-    make_block: a callable, called once per layer, that returns the block.
+    make_block: a callable, called once per layer, that returns the block;
+      or, with ``pattern``, a mapping from each kind's name to one.
     num_layers: how many blocks (>= 1).
     remat: a checkpoint policy or alias, applied to each block (``nested``
-      has nothing to split in a single block and acts like ``full``).
+      has nothing to split in a single block and acts like ``full``), or
+      :func:`per_depth` segments, or ``"auto"``.
     reverse: apply the layers from the last to the first.
+    pattern: the kinds of one period, as in :class:`Stacked`.
+    ys_by_kind: as in :class:`Stacked`.
     name: the module name.
   """
 
-  def __init__(self, make_block: Callable[[], Callable[..., Any]], num_layers: int,
+  def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, reverse: bool = False,
-               name: Optional[str] = None):
+               pattern: Optional[Sequence[str]] = None,
+               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
-                     name=name)
+                     pattern=pattern, ys_by_kind=ys_by_kind, name=name)
 
   @_layers.StackModule.layer_scope
   def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
@@ -87,20 +103,38 @@ class BlockSeq(_layers.StackModule):
     n = self.num_layers
     # The same draws, in the same order, as Stacked.
     keys = _layers.draw_layer_keys(n)
-    step_policy = self.policy.inner()
-    if not step_policy.disable:
-      # Outside a loop XLA would merge the recomputation with the forward pass
-      # (common subexpression elimination) and keep everything after all.
-      step_policy = dataclasses.replace(step_policy, prevent_cse=True)
+    # Each layer takes its segment's policy (one segment unless per_depth;
+    # a plan's choice for remat="auto", with no tagged names discovered).
+    policies = [None] * n
+    for segment in segments_lib.segments_for(self.remat_now(), n,
+                                             owner=type(self).__name__):
+      policy = segment.policy.inner()
+      if not policy.disable:
+        # Outside a loop XLA would merge the recomputation with the forward
+        # pass (common subexpression elimination) and keep everything.
+        policy = dataclasses.replace(policy, prevent_cse=True)
+      policies[segment.start:segment.start + segment.length] = [policy] * segment.length
 
     ys = [None] * n
+    pattern = self.pattern
+    tags = None   # a named save applies to the kinds that tag the name
+    if pattern is not None and any(p.named_internals() for p in policies):
+      tags = periods.kind_tags(pattern, inner, x, arguments)
     for i in (reversed(range(n)) if self.reverse else range(n)):
-      sliced = jax.tree_util.tree_map(lambda a: a[i], arguments.sliced)  # pylint: disable=cell-var-from-loop
+      if pattern is None:
+        layer_inner = inner
+        sliced = jax.tree_util.tree_map(lambda a: a[i], arguments.sliced)  # pylint: disable=cell-var-from-loop
+      else:   # this layer's kind, and its slice of per-kind inputs
+        layer_inner = inner[pattern.kind_of(i)]
+        sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, i)
+        policies[i] = periods.kind_policy(policies[i], pattern.kind_of(i), tags)
       x, ys[i] = _Layer(name=f"layer_{i}")(
-          inner, x, sliced, index=jnp.asarray(i, jnp.int32),
+          layer_inner, x, sliced, index=jnp.asarray(i, jnp.int32),
           init_key=None if keys.init is None else keys.init[i],
           rng=None if keys.apply is None else keys.apply[i],
-          kind=kind, policy=step_policy, owner=type(self).__name__)
+          kind=kind, policy=policies[i], owner=type(self).__name__)
     if kind == "fold":
       return x, None
+    if pattern is not None:
+      return x, pattern.collect(ys, type(self).__name__)
     return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)

@@ -18,46 +18,38 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import haiku as hk
-import jax
 import jax.numpy as jnp
 
 from stacktools import _checks
 from stacktools import _layers
 from stacktools import loops
+from stacktools import periods
 from stacktools import policy as policy_lib
+from stacktools import segments as segments_lib
 
 PyTree = Any
 
 
 def run_stacked(inner: hk.TransformedWithState, x: PyTree,
                 arguments: _layers.BlockArguments, *, num_layers: int, kind: str,
-                policy: policy_lib.CheckpointPolicy, unroll: Union[int, bool],
+                remat: segments_lib.Remat, unroll: Union[int, bool],
                 reverse: bool, owner: str) -> tuple[PyTree, PyTree]:
   """Inits (vmapped) and applies (scanned) a stack; call inside a module."""
   keys = _layers.draw_layer_keys(num_layers)
   indices = jnp.arange(num_layers, dtype=jnp.int32)
-
-  def init_all_layers(init_keys, x, sliced):
-    def init_one(key, layer_sliced, index):
-      with _layers.at_layer(index):
-        return inner.init(key, x, layer_sliced)
-    return jax.vmap(init_one, in_axes=(None if init_keys is None else 0, 0, 0),
-                    axis_size=num_layers)(init_keys, sliced, indices)
-
-  params_and_state, updater = hk.transparent_lift_with_state(
-      init_all_layers, allow_reuse=True)
-  params, state = params_and_state(keys.init, x, arguments.sliced)
+  params, state, updater = _layers.lift_layers(inner, keys.init, x,
+                                               arguments.sliced, indices)
 
   def body(carry, layer: _layers.LayerSlice):
     return _layers.apply_layer(inner, carry, layer, kind=kind, owner=owner)
 
   layers = _layers.LayerSlice(params=params, state=state, rng=keys.apply,
                               sliced=arguments.sliced, index=indices)
-  x, results = loops.scan(body, length=num_layers, remat=policy, unroll=unroll,
+  x, results = loops.scan(body, length=num_layers, remat=remat, unroll=unroll,
                           reverse=reverse)(x, layers)
   updater.update(results.state)
   return x, results.y
@@ -82,28 +74,59 @@ class Stacked(_layers.StackModule):
     x = blocks.fold(x, mask)                    # fold block: returns x
     x, ys = blocks.scan(x, st.per_layer(cache)) # scan block: returns (x, y)
 
+  A mixed-layer stack takes one factory per kind and the ``pattern`` of
+  kinds that repeats (a depth the period does not divide ends with the
+  pattern's prefix). Each kind's parameters are stacked under
+  ``h/<kind>/...`` with a leading axis of that kind's count; the layers run
+  as one loop over periods, each run of one kind an inner scan, each layer
+  checkpointed by itself::
+
+    blocks = st.Stacked({"local": lambda: Block(window=128),
+                         "global": lambda: Block(window=None)},
+                        num_layers=26, pattern=("local",) * 5 + ("global",),
+                        remat="full", name="h")
+    x = blocks.fold(x, mask)
+    x, caches = blocks.scan(x, st.per_kind({"local": lc, "global": gc}))
+
   Args:
     make_block: a callable, called inside the stack, that returns the block
-      (an ``hk.Module`` or any function ``block(x, *args, **kwargs)``).
+      (an ``hk.Module`` or any function ``block(x, *args, **kwargs)``); or,
+      with ``pattern``, a mapping from each kind's name to such a callable.
     num_layers: how many times the block is repeated (>= 1).
-    remat: a checkpoint policy or alias (see :class:`CheckpointPolicy`).
-    unroll: layers per rolled loop iteration, or ``True`` to unroll fully.
+    remat: a checkpoint policy or alias (see :class:`CheckpointPolicy`),
+      :func:`per_depth` segments, or ``"auto"`` (see :func:`plan_remat`).
+      With a pattern, ``nested`` splits the loop over whole periods.
+    unroll: layers per rolled loop iteration, or ``True`` to unroll fully
+      (with a pattern: periods per rolled iteration of the period loop).
     reverse: apply the layers from the last to the first.
+    pattern: the kinds of one period, e.g. ``("local",) * 5 + ("global",)``;
+      a string is read one kind per letter (``"LLLG"``).
+    ys_by_kind: with a pattern, how ``scan`` returns the blocks' outputs:
+      ``None`` in layer order when every kind's agree in shapes and dtypes
+      and per kind (``{kind: ys}``, each in kind order) otherwise; ``True``
+      always per kind (e.g. caches that go back in through
+      :func:`per_kind`); ``False`` always in layer order.
     name: the module name.
   """
 
-  def __init__(self, make_block: Callable[[], Callable[..., Any]], num_layers: int,
+  def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, unroll: Union[int, bool] = 1,
-               reverse: bool = False, name: Optional[str] = None):
+               reverse: bool = False, pattern: Optional[Sequence[str]] = None,
+               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
-                     name=name)
+                     pattern=pattern, ys_by_kind=ys_by_kind, name=name)
     self.unroll = _checks.check_unroll(unroll, type(self).__name__)
 
   @_layers.StackModule.layer_scope
   def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
                  arguments: _layers.BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
+    if self.pattern is not None:
+      return periods.run_patterned(
+          inner, x, arguments, pattern=self.pattern, kind=kind,
+          remat=self.remat_now(), unroll=self.unroll, reverse=self.reverse,
+          owner=type(self).__name__)
     return run_stacked(inner, x, arguments, num_layers=self.num_layers,
-                       kind=kind, policy=self.policy, unroll=self.unroll,
+                       kind=kind, remat=self.remat_now(), unroll=self.unroll,
                        reverse=self.reverse, owner=type(self).__name__)
 
 
@@ -115,6 +138,12 @@ class _LayerStackScope(hk.Module):
   """The module hk.layer_stack's parameters live under; runs one call."""
 
   def __call__(self, block_call, x, arguments, **config):
+    if isinstance(config["remat"], segments_lib.AutoRemat):
+      # A plan tells stacks apart by their unique module name; init needs
+      # no plan (see StackModule.remat_now).
+      config["remat"] = segments_lib.AutoRemat(self.module_name)
+      if hk.running_init() and not segments_lib.plan_active():
+        config["remat"] = policy_lib.REMAT_ALIASES["none"]
     return run_stacked(_layers.make_inner(block_call, arguments), x, arguments,
                        **config)
 
@@ -164,7 +193,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
     unroll: layers per rolled loop iteration.
     pass_reverse_to_layer_fn: pass the call's ``reverse`` to ``f`` as a
       keyword argument.
-    remat: a checkpoint policy or alias (see :class:`CheckpointPolicy`).
+    remat: as in :class:`Stacked`.
     name: the module name; defaults to hk.layer_stack's.
 
   Returns:
@@ -172,12 +201,12 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
     ``f``'s arguments and an optional ``reverse=`` keyword.
   """
   num_layers = _checks.check_num_layers(num_layers, "layer_stack")
-  policy = policy_lib.CheckpointPolicy.from_remat(remat)
+  remat = segments_lib.as_remat(remat)
   unroll = _checks.check_unroll(unroll, "layer_stack")
   if not name:
     name = ("__layer_stack_with_per_layer" if with_per_layer_inputs
             else "__layer_stack_no_per_layer")
-  config = dict(num_layers=num_layers, policy=policy, unroll=unroll,
+  config = dict(num_layers=num_layers, remat=remat, unroll=unroll,
                 owner="layer_stack")
 
   def iterate(f):

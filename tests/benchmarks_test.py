@@ -6,7 +6,7 @@ JSON is checked for the keys the README section reads and for positive
 numbers. The full runs are not tests: their numbers are timings and memory
 of one machine, committed in ``benchmarks/results``.
 
-Three scripts run in this process (their ``main(argv)``); one runs as a user
+Four scripts run in this process (their ``main(argv)``); one runs as a user
 runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
 import matplotlib, which must print one line and write no PNG.
 """
@@ -29,6 +29,7 @@ from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
+from benchmarks import remat_plan  # pylint: disable=wrong-import-position
 from benchmarks import step_time  # pylint: disable=wrong-import-position
 
 COMMON_KEYS = {"benchmark", "question", "command", "quick", "config", "summary",
@@ -111,6 +112,38 @@ def test_step_time_quick(tmp_path):
     assert ratios["over_none"]["full"]["guide_flops_ratio"] == pytest.approx(4 / 3)
     assert isinstance(result["summary"][clock]["targets_missed"], list)
     assert set(result["summary"][clock]["stacked_over_lax_scan"]) == {"none", "full"}
+
+
+def test_remat_plan_quick(tmp_path):
+  result = _run(remat_plan, tmp_path)
+  (depth,) = result["depths"]
+  labels = {c["label"] for c in depth["candidates"]}
+  assert labels == {"none", "full", "none:1,full:1"}
+  for cand in depth["candidates"]:
+    # The report's temp bytes equal an independent compile with remat=<candidate>.
+    assert cand["temp_bytes"] == cand["report_temp_bytes"], cand["label"]
+    for key in ("temp_bytes", "flops", "report_step_s", "compile_s", "median_s"):
+      assert _positive_number(cand[key]), (cand["label"], key)
+    assert len(cand["wall_s"]) == len(cand["cpu_s"]) == result["config"]["rounds"]
+  temp = {c["label"]: c["temp_bytes"] for c in depth["candidates"]}
+  assert temp["full"] < temp["none:1,full:1"] < temp["none"]
+  budgets = depth["budgets"]
+  assert [b["fraction"] for b in budgets] == list(remat_plan.FRACTIONS)
+  assert [b["budget_bytes"] for b in budgets] == sorted(b["budget_bytes"] for b in budgets)
+  for b in budgets:
+    assert temp["full"] <= b["budget_bytes"] < temp["none"]
+    assert b["chosen"] in b["fitting"] and b["chosen_by_flops"] in b["fitting"]
+    assert set(b["fitting"]) == {n for n, t in temp.items() if t <= b["budget_bytes"]}
+    # Compiled under the plan: the chosen candidate's memory, within the budget.
+    assert b["within_budget"] and b["chosen_temp_bytes"] == temp[b["chosen"]]
+    assert _positive_number(b["ratio"]) and _positive_number(b["ratio_cpu"])
+    assert isinstance(b["met"], bool) and b["rank"] >= 1
+  planning = depth["planning"]
+  for key in ("report_seconds", "compile_all_seconds", "one_compile_seconds"):
+    assert _positive_number(planning[key]), key
+  assert planning["candidates"] == 3
+  assert result["summary"]["all_within_budget"] is True
+  assert result["summary"]["report_temp_mismatches"] == {}
 
 
 def test_init_time_as_a_script_without_matplotlib(tmp_path):

@@ -9,11 +9,14 @@ first test asks for them, while the cheap tests run:
   under absl's flagsaver, XLA's cheap LLVM settings, a private compilation
   cache) on 1 device (the reference), on 4 devices (``data:2,fsdp:2``, the
   reference of the two-process runs) and on 8 devices (meshes ``data:8``,
-  ``data:4,fsdp:2`` and ``fsdp:8``);
+  ``data:4,fsdp:2`` and ``fsdp:8``; then ``--resume`` of the
+  ``data:4,fsdp:2`` run's Orbax checkpoint on ``fsdp:8``, exporting what it
+  restored);
+* once the 8-device driver is done, ``train.py --resume`` of that checkpoint
+  on one device, exporting what it restored;
 * a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
-  on 127.0.0.1, 2 devices each, ``--mesh=data:2,fsdp:2``, for 5 steps (process
-  1 given a workdir of its own, which must stay unwritten), then a second
-  pair that resumes from process 0's checkpoint to step 10 in one shared
+  on 127.0.0.1, 2 devices each, ``--mesh=data:2,fsdp:2``, for 5 steps, then a
+  second pair that resumes from their checkpoint to step 10, in one shared
   workdir. (JAX's persistent cache cannot shorten these: process 1's cache
   keys differ from process 0's, and only process 0 writes entries.);
 * ``benchmarks/sharding.py --quick``.
@@ -26,9 +29,12 @@ What is checked, against numbers:
   bytes are the checkpoint's total over the fsdp size (a few replicated
   leaves, like the 25-entry output bias, cost a few percent more);
 * two processes with 2 devices each, stopped at step 5 and resumed, train
-  to the losses, parameters and optimizer state of one process with 4
-  devices; only process 0 writes, and only checkpoint.npz and metrics.jsonl
-  (no temp files);
+  to exactly (bit for bit) the losses, parameters and optimizer state of one
+  process with 4 devices and the same mesh; each process writes its own
+  shards of every checkpoint, process 0 alone the metrics (no temp files);
+* a checkpoint saved on ``data:4,fsdp:2`` restores onto ``fsdp:8`` and onto
+  one device with exactly the parameters that run exported (gathered with
+  ``process_allgather``, no Orbax);
 * bad meshes, batch sizes and process flags: one ``error:`` line, no
   traceback, non-zero exit, nothing written;
 * the benchmark's quick run: per-device bytes of each mesh are the total
@@ -43,7 +49,6 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -58,6 +63,7 @@ STEPS, STOP = 10, 5
 # gpt_test's tiny model; 8 sequences so that a data axis of 8 gets one each.
 TINY = {**gpt.TINY, "steps": STEPS, "batch_size": 8}
 MESHES_8 = ("data:8", "data:4,fsdp:2", "fsdp:8")
+SAVED_ON = "data:4,fsdp:2"  # restored onto fsdp:8 and onto one device
 MESH_MP = "data:2,fsdp:2"
 BENCHMARK_QUICK_MESHES = ("data:4,fsdp:2", "fsdp:8")
 RTOL = 2e-5  # float32 losses and parameters after 10 steps, reductions reordered
@@ -108,24 +114,37 @@ class Runs:
     self.drivers = {}
     self.driver(1, [("one", {})])
     self.driver(4, [("four", {"mesh": MESH_MP})])
-    self.driver(8, [(mesh, {"mesh": mesh}) for mesh in MESHES_8])
+    # The SAVED_ON run exports its final parameters; "fsdp:8 restore" resumes
+    # its checkpoint (step 10 of 10: nothing left to train) on fsdp:8.
+    self.driver(8, [(mesh, {"mesh": mesh, **({"export_npz": self.export(mesh)}
+                                             if mesh == SAVED_ON else {})})
+                    for mesh in MESHES_8]
+                + [("fsdp:8 restore", {"mesh": "fsdp:8", "resume": True,
+                                       "workdir": self.workdir(SAVED_ON),
+                                       "export_npz": self.export("fsdp:8 restore")})])
     self.benchmark = start(
         [sys.executable, BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
         {**os.environ, "XLA_FLAGS": gpt.FAST_XLA}, os.path.join(tmp, "bench.log"))
     self.procs.append(self.benchmark)
-    # Process 1 gets a workdir of its own, which it must leave unwritten.
-    self.stopped = self.pair({"stop_after": STOP}, workdir_1=self.workdir("mp_process1"))
+    self.stopped = self.pair({"stop_after": STOP})
     self.resumed = None
     self.after_stop = None
     self.error = None
     self.thread = threading.Thread(target=self._resume_when_stopped, daemon=True)
     self.thread.start()
+    self.one_device_restore = None
+    self.restore_thread = threading.Thread(target=self._restore_on_one_device, daemon=True)
+    self.restore_thread.start()
 
   def flags(self, name: str, **extra) -> dict:
     return {**TINY, "data_path": self.corpus, "workdir": self.workdir(name), **extra}
 
   def workdir(self, name: str) -> str:
-    return os.path.join(self.tmp, name.replace(":", "_").replace(",", "_"))
+    return os.path.join(self.tmp, name.replace(":", "_").replace(",", "_").replace(" ", "_"))
+
+  def export(self, name: str) -> str:
+    """Where the run ``name`` exports its final parameters (--export_npz)."""
+    return os.path.join(self.workdir("exports"), self.workdir(name)[len(self.tmp) + 1:] + ".npz")
 
   def driver(self, devices: int, runs: list[tuple[str, dict]]) -> None:
     specs = [{"name": name, "flags": self.flags(name, **flags)} for name, flags in runs]
@@ -143,15 +162,13 @@ class Runs:
     self.procs.append(proc)
     self.drivers[devices] = (proc, out_path)
 
-  def pair(self, extra: dict, workdir_1: Optional[str] = None) -> list[subprocess.Popen]:
+  def pair(self, extra: dict) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
     port = free_port()
     procs = []
     for i in range(2):
       flags = self.flags("mp", **extra, mesh=MESH_MP, num_processes=2, process_id=i,
                          coordinator_address=f"127.0.0.1:{port}")
-      if i == 1 and workdir_1:
-        flags["workdir"] = workdir_1
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
       procs.append(start([sys.executable, TRAIN, *gpt.as_args(flags)], xla_env(2), log))
     self.procs.extend(procs)
@@ -161,10 +178,26 @@ class Runs:
     try:
       logs = [wait(p) for p in self.stopped]
       workdir = self.workdir("mp")
+      step_dir = os.path.join(workdir, "checkpoints", str(STOP))
       self.after_stop = {"logs": logs, "listing": gpt.listing(workdir),
                          "records": gpt.read_metrics(workdir),
-                         "checkpoint": gpt.load_checkpoint(workdir)}
+                         "steps": sorted(gpt.listing(os.path.join(workdir, "checkpoints"))),
+                         "shards": {item: sorted(gpt.listing(os.path.join(step_dir, item)))
+                                    for item in ("params", "opt_state")},
+                         "meta": gpt.load_meta(workdir)}
       self.resumed = self.pair({"resume": True})
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
+
+  def _restore_on_one_device(self) -> None:
+    """``train.py --resume`` of the SAVED_ON checkpoint on one device, once the
+    8-device driver (which restores it on fsdp:8 too) is done with it."""
+    try:
+      self.drivers[8][0].wait(timeout=600)
+      flags = self.flags(SAVED_ON, resume=True, export_npz=self.export("one device restore"))
+      self.one_device_restore = start([sys.executable, TRAIN, *gpt.as_args(flags)],
+                                      xla_env(1), os.path.join(self.tmp, "restore1.log"))
+      self.procs.append(self.one_device_restore)
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
@@ -189,8 +222,15 @@ class Runs:
       raise self.error
     return [wait(p) for p in self.resumed]
 
+  def one_device_restore_log(self) -> str:
+    self.restore_thread.join(timeout=600)
+    if self.error is not None:
+      raise self.error
+    return wait(self.one_device_restore)
+
   def close(self) -> None:
     self.thread.join(timeout=600)
+    self.restore_thread.join(timeout=600)
     for proc in self.procs:
       kill(proc)
 
@@ -236,7 +276,7 @@ def without_key_bias(key: str, array: np.ndarray) -> np.ndarray:
   Adam's normalisation turns into full-size steps of arbitrary sign. Its
   values differ between any two reduction orders and affect no output.
   """
-  if "['h/block/attn/qkv']['b']" in key:
+  if key.endswith("h/block/attn/qkv/b"):  # params/... and opt_state/.../mu|nu/...
     d = TINY["d_model"]
     return np.delete(array, np.s_[d:2 * d], axis=-1)
   return array
@@ -335,47 +375,84 @@ def test_params_and_optimizer_state_are_sharded(runs, mesh):
 # Two processes.
 
 
+def assert_trees_equal(actual: dict, expected: dict) -> None:
+  assert sorted(actual) == sorted(expected)
+  for key in expected:
+    assert actual[key].dtype == expected[key].dtype, key
+    np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
 def test_two_processes_equal_one_process_with_four_devices(runs):
+  """Stopped at step 5 and resumed: bit for bit the 10 straight steps of one
+  process on the same mesh. Every cross-device sum of data:2,fsdp:2 has two
+  operands, whose order cannot change a float sum, so the two runs compute
+  the same numbers, and any difference would be the resume's."""
   resumed_logs = runs.two_process_logs()
   after_stop = runs.after_stop
   runs.driver_run(4, "four")
   four = runs.workdir("four")
   for log in after_stop["logs"] + resumed_logs:
     assert "mesh {'data': 2, 'fsdp': 2} over 4 devices in 2 processes" in log
-  # Steps 1-5, trained by two processes: the 4-device losses; one writer.
+  # Steps 1-5, trained by two processes: the 4-device losses.
   stopped = after_stop["records"]
   assert [r["step"] for r in stopped] == list(range(1, STOP + 1))
-  np.testing.assert_allclose([r["train_loss"] for r in stopped],
-                             gpt.train_losses(four)[:STOP], rtol=RTOL)
-  assert json.loads(str(after_stop["checkpoint"]["__meta__"]))["step"] == STOP
+  np.testing.assert_array_equal([r["train_loss"] for r in stopped],
+                                gpt.train_losses(four)[:STOP])
+  assert after_stop["meta"]["step"] == STOP
   # Steps 6-10, resumed by two processes: the same losses, parameters and
   # optimizer state as 10 straight steps of one process.
   workdir = runs.workdir("mp")
   records = gpt.read_metrics(workdir)
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-  np.testing.assert_allclose(gpt.train_losses(workdir), gpt.train_losses(four), rtol=RTOL)
-  np.testing.assert_allclose(records[-1]["valid_loss"],
-                             gpt.read_metrics(four)[-1]["valid_loss"], rtol=RTOL)
-  assert_trees_close(param_arrays(workdir), param_arrays(four))
-  assert_trees_close(param_arrays(workdir, "opt_state"), param_arrays(four, "opt_state"))
-  assert json.loads(str(gpt.load_checkpoint(workdir)["__meta__"]))["step"] == STEPS
+  np.testing.assert_array_equal(gpt.train_losses(workdir), gpt.train_losses(four))
+  np.testing.assert_array_equal(records[-1]["valid_loss"],
+                                gpt.read_metrics(four)[-1]["valid_loss"])
+  assert_trees_equal(param_arrays(workdir), param_arrays(four))
+  assert_trees_equal(param_arrays(workdir, "opt_state"), param_arrays(four, "opt_state"))
+  assert gpt.load_meta(workdir)["step"] == STEPS
   # Both processes evaluated the same loss.
   finals = [re.findall(r"Final validation loss ([\d.]+)", log) for log in resumed_logs]
   assert finals[0] and finals[0] == finals[1], finals
 
 
-def test_only_process_0_writes_and_resume_continues(runs):
+def test_each_process_writes_its_shards_and_resume_continues(runs):
   resumed_logs = runs.two_process_logs()
   after_stop = runs.after_stop
-  # Process 0 wrote its outputs and no temporary files; process 1, given a
-  # workdir of its own for the first run, wrote nothing there.
+  # One checkpoint, step 5, in which each process wrote its own shards
+  # (Orbax's OCDBT: one ocdbt.process_<i> folder per process) of both items;
+  # process 0 alone wrote the metrics; no temporary files.
   assert after_stop["listing"] - {"loss.png"} == gpt.WORKDIR_FILES, after_stop["listing"]
-  assert not os.path.exists(runs.workdir("mp_process1"))
+  assert after_stop["steps"] == [str(STOP)], after_stop["steps"]
+  for item, names in after_stop["shards"].items():
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(names), (item, names)
   gpt.assert_only_outputs(runs.workdir("mp"))
   for log in after_stop["logs"]:
     assert "Resumed" not in log
-  for log in resumed_logs:  # both read process 0's checkpoint
+  for log in resumed_logs:  # both read the checkpoint
     assert f"Resumed from step {STOP}." in log
+  assert sorted(gpt.listing(os.path.join(runs.workdir("mp"), "checkpoints"))) == [
+      str(STEPS), str(STOP)]
+
+
+def test_restore_onto_another_mesh(runs):
+  """Saved on data:4,fsdp:2; resumed on fsdp:8 and on one device, each
+  exporting what it restored: exactly the saving run's own export, which
+  gathered the parameters with process_allgather and wrote them without Orbax."""
+  runs.driver_run(8, SAVED_ON)
+  fsdp8_log = runs.driver_run(8, "fsdp:8 restore")["log"]
+  one_log = runs.one_device_restore_log()
+  assert "mesh {'data': 1, 'fsdp': 8} over 8 devices in 1 processes" in fsdp8_log
+  assert "mesh {'data': 1, 'fsdp': 1} over 1 devices in 1 processes" in one_log
+  from examples.gpt import checkpoint  # pylint: disable=import-outside-toplevel
+  saved = checkpoint.load_npz(runs.export(SAVED_ON))
+  assert len(saved) > 5 and any(k.startswith("h/") for k in saved), sorted(saved)
+  for name, log in (("fsdp:8 restore", fsdp8_log), ("one device restore", one_log)):
+    assert f"Resumed from step {STEPS}." in log, name
+    assert_trees_equal(checkpoint.load_npz(runs.export(name)), saved)
+  # On fsdp:8 the restored parameters really are split 8 ways.
+  params_kib, _ = kib_per_device(fsdp8_log)
+  total_kib = sum(a.nbytes for a in saved.values()) / 1024
+  assert params_kib <= 1.05 * total_kib / 8 + 0.05, (params_kib, total_kib)
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ many runs, the two drivers use both cores, and the drivers compile with
 XLA's cheap LLVM settings (``FAST_XLA``, which changes how fast the code is
 compiled, not what it computes) and a private persistent compilation cache,
 without touching the pytest process. The drivers also report whether
-``import stacktools`` and the runs imported TensorFlow.
+``import stacktools`` imported TensorFlow or Orbax, and whether the runs
+imported TensorFlow.
 
 What is checked, against numbers rather than "it runs":
 
@@ -18,10 +19,13 @@ What is checked, against numbers rather than "it runs":
   losses from the same seed;
 * ``--save_names`` puts its names in the policy, which then saves those
   activations for the backward pass (``saved_residuals``), and trains;
-* 10 steps + ``--resume`` 10 steps is bitwise equal to 20 steps;
+* 10 steps + ``--resume`` 10 steps is bitwise equal to 20 steps, through
+  Orbax checkpoints (checkpoint_test.py adds a kill -9 during a save, and
+  distributed_test.py other meshes and two processes);
 * KV-cache decoding equals the full forward pass (in this process);
-* bad flags, missing or corrupt checkpoints: a one-line message, a non-zero
-  exit, no traceback, nothing written (CLI subprocesses, started together);
+* bad flags, missing, unfinished, corrupt or mismatched checkpoints, a fresh
+  start in a workdir with checkpoints: a one-line message, a non-zero exit,
+  no traceback, nothing written (CLI subprocesses, started together);
 * a --workdir that is a file, lies under one or cannot be written, and a
   --resume on a corpus with other characters, stop at start-up, before the
   data is loaded or the step compiled;
@@ -37,7 +41,6 @@ import shutil
 import subprocess
 import sys
 import traceback
-import zipfile
 
 import haiku as hk
 import jax
@@ -65,10 +68,10 @@ STEPS = 20
 TINY = dict(num_layers=NUM_LAYERS, d_model=16, num_heads=2, seq_len=16,
             batch_size=4, steps=STEPS, learning_rate=1e-2, warmup_steps=1,
             log_every=1, eval_every=1000, eval_batches=1, sample_tokens=0)
-WORKDIR_FILES = {"checkpoint.npz", "metrics.jsonl"}  # and loss.png, with matplotlib
+WORKDIR_FILES = {"checkpoints", "metrics.jsonl"}  # and loss.png, with matplotlib
 # Left as if by writes killed mid-way, in this run's workdir before it starts.
 STALE_RUN = "save_names"
-STALE_TEMP_FILES = (".checkpoint.npz.0123abcd.tmp", ".metrics.jsonl.89abcdef.tmp")
+STALE_TEMP_FILES = (".loss.png.0123abcd.tmp", ".metrics.jsonl.89abcdef.tmp")
 SENTENCES = (
     "the cat sat on the mat.", "a dog ran to the red ball.",
     "we like to read a good book at night.", "she sang a song in the garden.",
@@ -92,6 +95,11 @@ def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
                    sample_tokens=8, sample_prompt="the "))
   fold.append(spec("save_names", remat="full", block="fold",
                    save_names=["attn_out", "mlp_hidden"]))
+  fold.append(spec("per_depth", remat="none:1,full:1", block="fold"))
+  # Two candidates keep the planning short; the planner itself is tested in
+  # remat_plan_test.py with every kind of candidate.
+  fold.append(spec("auto", remat="auto", block="fold", memory_budget="64MiB",
+                   remat_candidates=["full", "none:1,full:1"]))
   scan = [spec(_run_name(r, "scan"), remat=r, block="scan") for r in REMATS]
   # Run A of the resume test is "full-scan": 20 steps straight.
   scan.append(spec("resume", remat="full", block="scan", stop_after=10))
@@ -99,11 +107,12 @@ def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
   return [fold, scan]
 
 
-def drive(spec_path: str, out_path: str, tf_after_import: bool, cache_dir: str) -> None:
+def drive(spec_path: str, out_path: str, tf_after_import, cache_dir: str) -> None:
   """Runs ``train.main`` once per spec in this process; writes errors and logs.
 
   Called in a fresh interpreter, which imported stacktools first and says
-  whether that imported TensorFlow. Programs that several runs share (the
+  which of TensorFlow and Orbax that imported (``tf_after_import``, a list;
+  False when not checked). Programs that several runs share (the
   init, most evaluations, the resumed run's step) compile once, through a
   persistent compilation cache private to this driver.
   """
@@ -158,7 +167,8 @@ class Drivers:
         json.dump(specs, f)
       # Output to a file: a pipe nobody reads while other tests run could fill.
       output = open(os.path.join(tmp, f"driver{i}.log"), "w+", encoding="utf-8")
-      code = ("import sys; import stacktools; tf = 'tensorflow' in sys.modules; "
+      code = ("import sys; import stacktools; "
+              "tf = [m for m in ('tensorflow', 'orbax') if m in sys.modules]; "
               "sys.path[:0] = sys.argv[1:3]; import gpt_test; "
               "gpt_test.drive(sys.argv[3], sys.argv[4], tf, sys.argv[5])")
       proc = subprocess.Popen(
@@ -216,8 +226,17 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def load_checkpoint(workdir: str) -> dict[str, np.ndarray]:
-  with np.load(os.path.join(workdir, "checkpoint.npz"), allow_pickle=False) as data:
-    return {k: data[k] for k in data.files}
+  """The latest checkpoint's arrays on the host, read through Orbax whatever
+  mesh saved them: ``{"params/h/block/fc/w": ..., "opt_state/...": ...}``."""
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  return {f"{item}/{key}": value for item in ("params", "opt_state")
+          for key, value in checkpoint.read_arrays(workdir, item=item).items()}
+
+
+def load_meta(workdir: str) -> dict:
+  """The latest checkpoint's metadata (step, sampler state, config, chars)."""
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.latest(workdir)[1]
 
 
 def train_losses(workdir: str) -> np.ndarray:
@@ -284,9 +303,12 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
   short = tmp_path / "short.txt"
   short.write_text("the cat sat on the mat.\n" * 4)
   base = {**TINY, "data_path": corpus}
-  garbage = tmp_path / "garbage"
-  garbage.mkdir()
-  (garbage / "checkpoint.npz").write_bytes(b"this is not a checkpoint\x00\xff" * 40)
+  garbage = tmp_path / "garbage"  # a "committed" step folder of garbage
+  (garbage / "checkpoints" / "7" / "meta").mkdir(parents=True)
+  (garbage / "checkpoints" / "7" / "meta" / "metadata").write_bytes(
+      b"this is not a checkpoint\x00\xff" * 40)
+  unfinished = tmp_path / "unfinished"  # only a save that never committed
+  (unfinished / "checkpoints" / "10.orbax-checkpoint-tmp" / "params").mkdir(parents=True)
   empty = tmp_path / "empty"
   empty.mkdir()
 
@@ -311,13 +333,26 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
       ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
       ("garbage", TRAIN, {"resume": True, "workdir": str(garbage)},
-       ["error: --resume:", "not a readable checkpoint"]),
+       ["error: --resume:", "checkpoints/7 is not a readable checkpoint"]),
+      ("unfinished", TRAIN, {"resume": True, "workdir": str(unfinished)},
+       ["error: --resume: No checkpoint in", "unfinished/checkpoints"]),
+      ("fresh_over_checkpoints", TRAIN, {"workdir": str(garbage)},
+       ["error: --workdir=", "holds the checkpoints of an earlier run (steps 7)",
+        "pass --resume", "new --workdir"]),
       ("sample_no_workdir", SAMPLE, {},
        ["error: --workdir=", "does not exist", "train first with python examples/gpt/train.py"]),
       ("sample_no_ckpt", SAMPLE, {"workdir": str(empty)},
        ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
       ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
        ["--nested_outer=7 is larger than --num_layers=2"]),
+      ("per_depth_count", TRAIN, {"remat": "none:1,full:2", "num_layers": 2},
+       ["--remat=none:1,full:2 covers 3 layers, but --num_layers=2"]),
+      ("per_depth_alias", TRAIN, {"remat": "none:1,bogus:1"},
+       ["--remat:", "remat='bogus' is not a checkpoint policy"]),
+      ("auto_no_budget", TRAIN, {"remat": "auto"},
+       ["--remat=auto needs --memory_budget"]),
+      ("budget_no_auto", TRAIN, {"memory_budget": "8MiB"},
+       ["--memory_budget and --remat_candidates need --remat=auto"]),
       ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
        ["error:", "not a readable checkpoint"]),
   ]
@@ -341,7 +376,9 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       assert "--resume" not in message[0], f"{name}: {message[0]!r}"
     assert listing(workdir) == before, f"{name} wrote to its workdir"
   assert not (tmp_path / "work").exists()
-  assert (garbage / "checkpoint.npz").read_bytes().startswith(b"this is not")
+  assert (garbage / "checkpoints" / "7" / "meta" / "metadata").read_bytes().startswith(
+      b"this is not")
+  assert listing(str(unfinished / "checkpoints")) == {"10.orbax-checkpoint-tmp"}
 
 
 def one_line_error(proc: subprocess.Popen) -> str:
@@ -429,7 +466,7 @@ def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
   drivers.run(name)
   workdir = tmp_path / "work"
   workdir.mkdir()
-  shutil.copy(os.path.join(drivers.workdir(name), "checkpoint.npz"), workdir)
+  shutil.copytree(os.path.join(drivers.workdir(name), "checkpoints"), workdir / "checkpoints")
   other = tmp_path / "other.txt"
   with open(drivers.data_path, encoding="utf-8") as f:
     other.write_text(f.read().replace(".", "!"), encoding="utf-8")
@@ -439,19 +476,25 @@ def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
   for fragment in ("error: --resume:", "1 ('!') only in the corpus",
                    "1 ('.') only in the checkpoint", "--data_path", "new --workdir"):
     assert fragment in message, f"{fragment!r} not in {message!r}"
-  assert listing(workdir) == {"checkpoint.npz"}
+  assert listing(workdir) == {"checkpoints"}
 
 
 def test_outputs_get_the_umask_mode(drivers):
-  """Not 0o600, as tempfile.mkstemp would leave them."""
+  """Not 0o600, as tempfile.mkstemp would leave them; Orbax's checkpoint
+  files and folders too."""
   umask = os.umask(0)
   os.umask(umask)
   name = _run_name("full", "fold")
   drivers.run(name)
   workdir = drivers.workdir(name)
-  for file_name in listing(workdir):
-    mode = os.stat(os.path.join(workdir, file_name)).st_mode & 0o777
-    assert mode == 0o666 & ~umask, f"{file_name}: {oct(mode)} with umask {oct(umask)}"
+  seen = 0
+  for folder, folders, file_names in os.walk(workdir):
+    for entry, expected in ([(n, 0o777) for n in folders] + [(n, 0o666) for n in file_names]):
+      path = os.path.join(folder, entry)
+      mode = os.stat(path).st_mode & 0o777
+      assert mode == expected & ~umask, f"{path}: {oct(mode)} with umask {oct(umask)}"
+      seen += 1
+  assert seen > 10  # checkpoints/<step>/{params,opt_state,meta}/...
 
 
 def test_start_removes_stale_temp_files(drivers):
@@ -461,51 +504,62 @@ def test_start_removes_stale_temp_files(drivers):
   assert_only_outputs(drivers.workdir(STALE_RUN))
 
 
-def corrupt_member(path: str, member: str) -> None:
-  """Flips a byte of one array's data inside the .npz, leaving the zip whole."""
-  with zipfile.ZipFile(path) as z:
-    info = z.getinfo(member)
-  with open(path, "rb") as f:
-    data = bytearray(f.read())
-  # Local file header: 30 bytes, then the name and the extra field.
-  name_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
-  extra_len = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
-  data[info.header_offset + 30 + name_len + extra_len + info.compress_size - 4] ^= 0xFF
-  with open(path, "wb") as f:
-    f.write(data)
+def data_files(step_dir: str, item: str) -> list[str]:
+  """The files of one item's array data (OCDBT's ``d/`` folders)."""
+  return sorted(os.path.join(folder, name)
+                for folder, _, names in os.walk(os.path.join(step_dir, item))
+                if os.path.basename(folder) == "d" for name in names)
 
 
 def test_damaged_real_checkpoints_fail_cleanly(drivers, tmp_path):
-  """A real checkpoint cut short, or with one flipped byte of parameters."""
+  """A real checkpoint with its parameter data cut short or one byte flipped,
+  with its optimizer state missing, or resumed with other model flags."""
   name = _run_name("full", "fold")
   drivers.run(name)
-  with open(os.path.join(drivers.workdir(name), "checkpoint.npz"), "rb") as f:
-    original = f.read()
-  truncated, flipped = tmp_path / "truncated", tmp_path / "flipped"
-  for d in (truncated, flipped):
-    d.mkdir()
-  (truncated / "checkpoint.npz").write_bytes(original[:len(original) // 2])
-  (flipped / "checkpoint.npz").write_bytes(original)
-  corrupt_member(str(flipped / "checkpoint.npz"), "params['h/block/fc']['w'].npy")
+  source = os.path.join(drivers.workdir(name), "checkpoints")
+  workdirs = {}
+  for case in ("truncated", "flipped", "missing", "other_model"):
+    workdirs[case] = tmp_path / case
+    shutil.copytree(source, workdirs[case] / "checkpoints")
+  step_dir = lambda case: str(workdirs[case] / "checkpoints" / str(STEPS))
+  for path in data_files(step_dir("truncated"), "params"):
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  for path in data_files(step_dir("flipped"), "params"):
+    with open(path, "r+b") as f:
+      data = bytearray(f.read())
+      data[len(data) // 2] ^= 0xFF
+      f.seek(0)
+      f.write(data)
+  shutil.rmtree(os.path.join(step_dir("missing"), "opt_state"))
+  before = {case: sorted(os.walk(workdir)) for case, workdir in workdirs.items()}
   flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "block": "fold",
            "resume": True}
-  cases = [  # (workdir, process, fragments of the last line of stderr)
-      (truncated, cli(TRAIN, *as_args({**flags, "workdir": truncated})),
-       ["error: --resume:", "not a readable checkpoint"]),
-      (flipped, cli(TRAIN, *as_args({**flags, "workdir": flipped})),
-       ["error: --resume:", "corrupt"]),
-      (flipped, cli(SAMPLE, f"--workdir={flipped}", "--prompt=the "),
-       ["error:", "corrupt"]),
+  unreadable = ["error: --resume:", f"checkpoints/{STEPS} is not a readable checkpoint",
+                "delete that folder"]
+  cases = [  # (case, process, fragments of the last line of stderr)
+      ("truncated", cli(TRAIN, *as_args({**flags, "workdir": workdirs["truncated"]})),
+       unreadable),
+      ("flipped", cli(TRAIN, *as_args({**flags, "workdir": workdirs["flipped"]})),
+       unreadable),
+      ("flipped", cli(SAMPLE, f"--workdir={workdirs['flipped']}", "--prompt=the "),
+       ["error:", "not a readable checkpoint"]),
+      ("missing", cli(TRAIN, *as_args({**flags, "workdir": workdirs["missing"]})),
+       unreadable + ["opt_state"]),
+      ("other_model", cli(TRAIN, *as_args({**flags, "workdir": workdirs["other_model"],
+                                           "num_layers": NUM_LAYERS + 1})),
+       ["error: --resume:", f"is float32[{NUM_LAYERS}, ", "the model needs float32["
+        f"{NUM_LAYERS + 1}, ", "model flags differ"]),
   ]
-  for workdir, proc, fragments in cases:
+  for case, proc, fragments in cases:
     rc, _, stderr = finish(proc)
     assert rc != 0 and "Traceback" not in stderr, stderr
     # Reading the arrays comes after start-up logging; the error is the last line.
     last = stderr.strip().splitlines()[-1]
     for fragment in fragments:
-      assert fragment in last, f"{fragment!r} not in {last!r}"
-    assert listing(workdir) == {"checkpoint.npz"}, workdir
-  assert (truncated / "checkpoint.npz").read_bytes() == original[:len(original) // 2]
+      assert fragment in last, f"{case}: {fragment!r} not in {last!r}"
+  for case, workdir in workdirs.items():  # left as they were
+    assert sorted(os.walk(workdir)) == before[case], case
 
 
 # ---------------------------------------------------------------------------
@@ -523,7 +577,7 @@ def test_every_remat_and_block_trains(drivers, remat, block):
   losses = np.array([r["train_loss"] for r in records])
   assert np.all(np.isfinite(losses))
   assert losses[-3:].mean() < losses[:3].mean() - 0.3, losses
-  vocab_size = len(json.loads(str(load_checkpoint(workdir)["__meta__"]))["chars"])
+  vocab_size = len(load_meta(workdir)["chars"])
   assert records[-1]["valid_loss"] < math.log(vocab_size), records[-1]
   # A policy changes what is kept, not the numbers.
   np.testing.assert_allclose(losses, train_losses(drivers.workdir(_run_name("none", block))),
@@ -535,6 +589,35 @@ def test_every_remat_and_block_trains(drivers, remat, block):
     else:
       assert "attn_entropy" not in r and "update_ratio" not in r
   assert_only_outputs(workdir)
+
+
+def test_unmeetable_memory_budget_stops_with_one_line(tmp_path, corpus):
+  flags = {**TINY, "data_path": corpus, "workdir": str(tmp_path / "work"),
+           "remat": "auto", "memory_budget": "1KiB", "remat_candidates": ["full"]}
+  code, _, stderr = finish(cli(TRAIN, *as_args(flags)))
+  # Progress is logged up to the planning; then one line, no traceback.
+  errors = [line for line in stderr.splitlines() if not line.startswith(("I", "W"))]
+  assert code != 0 and len(errors) == 1, stderr
+  assert errors[0].startswith("error: --memory_budget=1KiB: No remat plan fits "
+                              "budget='1KiB'"), stderr
+  assert "bytes), with plan full. Raise the budget" in errors[0]
+
+
+def test_per_depth_and_auto_remat_train_like_none(drivers):
+  reference = train_losses(drivers.workdir(_run_name("none", "fold")))
+  for name in ("per_depth", "auto"):
+    np.testing.assert_allclose(train_losses(drivers.workdir(name)), reference,
+                               rtol=1e-4, err_msg=name)
+  assert "remat=per_depth(none:1,full:1)" in drivers.run("per_depth")["log"]
+  log = drivers.run("auto")["log"]
+  assert "remat report: 2 candidate plans" in log and "Remat plan:" in log, log
+  with open(os.path.join(drivers.workdir("auto"), "remat_plan.json"), encoding="utf-8") as f:
+    plan = json.load(f)
+  chosen = plan["report"]["chosen"]
+  assert plan["plan"] == chosen["plan"]
+  assert chosen["temp_bytes"] <= plan["report"]["budget_bytes"] == 64 * 2**20
+  # The step that trains is the chosen candidate's.
+  assert compiled_temp_mib(log) == pytest.approx(chosen["temp_bytes"] / 2**20, abs=0.01)
 
 
 def test_stacked_and_blockseq_give_the_same_losses(drivers):
@@ -589,11 +672,15 @@ def test_resume_is_bitwise_identical(drivers):
   straight = load_checkpoint(drivers.workdir(_run_name("full", "scan")))
   resumed = load_checkpoint(drivers.workdir("resume"))
   assert sorted(straight) == sorted(resumed)
-  assert any(k.startswith("params") for k in straight)
-  assert any(k.startswith("opt_state") for k in straight)
+  assert any(k.startswith("params/") for k in straight)
+  assert any(k.startswith("opt_state/") for k in straight)
   for key in straight:
     assert straight[key].dtype == resumed[key].dtype, key
-    assert np.array_equal(straight[key], resumed[key]), key
+    np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+  # The stopped run saved step 10, the resumed one step 20, beside it.
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  assert checkpoint.committed_steps(drivers.workdir("resume")) == [10, STEPS]
+  assert load_meta(drivers.workdir("resume"))["step"] == STEPS
   # The same batches and losses, step by step (metrics kept across the resume).
   np.testing.assert_array_equal(train_losses(drivers.workdir("resume")),
                                 train_losses(drivers.workdir(_run_name("full", "scan"))))
@@ -603,8 +690,11 @@ def test_resume_is_bitwise_identical(drivers):
 
 def test_training_never_imports_tensorflow(drivers):
   for tf_after_import, tf_after_runs in drivers.result()["tf"]:
-    assert not tf_after_import  # import stacktools, in a fresh interpreter
+    # import stacktools, in a fresh interpreter, imports neither TensorFlow nor
+    # Orbax (a dependency of the example only) ...
+    assert tf_after_import == [], tf_after_import
     assert not tf_after_runs    # ... then the example's training and sampling
+                                # (Orbax's checkpoints included) no TensorFlow
 
 
 def test_sample_cli_end_to_end(drivers):
@@ -616,7 +706,7 @@ def test_sample_cli_end_to_end(drivers):
   assert stdout.endswith("\n")
   text = stdout[:-1]
   assert text.startswith("the ") and len(text) == len("the ") + 20, repr(text)
-  chars = json.loads(str(load_checkpoint(workdir)["__meta__"]))["chars"]
+  chars = load_meta(workdir)["chars"]
   assert set(text) <= set(chars)
   assert_only_outputs(workdir)
 
@@ -665,3 +755,48 @@ def test_kv_cache_decode_matches_forward(stack, block):
   assert not np.any(keys[:, :, length:])
   assert np.all(np.any(keys[:, :, :length] != 0, axis=(-1, -2)))
   assert not np.allclose(keys[0], keys[1])  # the layers differ
+
+
+# ---------------------------------------------------------------------------
+# The logged throughput (train_loop in this process, with a fake clock).
+
+
+def test_logged_tokens_per_s_leaves_out_evaluation_and_checkpoints(monkeypatch):
+  """Every step takes 1 s, an evaluation 100 s and a checkpoint 50 s (on a
+  fake clock): each log line must say 1 s per step, whatever happened in its
+  window. The window after an evaluation once counted its steps over only
+  the time since the evaluation (twice the tokens/s)."""
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  now = [0.0]
+  monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+
+  def takes(seconds, result=None):
+    now[0] += seconds
+    return result
+
+  def step(params, opt_state, batch):
+    del batch
+    return params, opt_state, takes(1.0, jnp.float32(2.5)), None
+
+  batch_size, seq_len = 2, 3
+  run = SimpleNamespace(
+      params={}, opt_state={}, start_step=0, last_step=12, records=[],
+      is_chief=False, metrics_path=None, compiled_step=step,
+      sampler=SimpleNamespace(next=lambda: np.zeros((batch_size, seq_len + 1), np.int32)),
+      batch_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+      evaluate=lambda params: takes(100.0, 3.0),
+      save_checkpoint=lambda step, params, opt_state: takes(50.0))
+  with flagsaver.flagsaver(log_every=4, eval_every=6, checkpoint_every=5,
+                           batch_size=batch_size, seq_len=seq_len):
+    train.train_loop(run)
+  logged = [r for r in run.records if "tokens_per_s" in r]
+  assert [r["step"] for r in logged] == [4, 8, 12]
+  assert [r["step"] for r in run.records if "valid_loss" in r] == [6, 12]
+  for record in logged:
+    assert record["step_time_s"] == pytest.approx(1.0), record
+    assert record["tokens_per_s"] == pytest.approx(batch_size * seq_len), record

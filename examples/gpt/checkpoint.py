@@ -1,27 +1,66 @@
-"""Checkpoints: one .npz of arrays and JSON metadata, written atomically.
+"""Checkpoints of the GPT example, through Orbax; and a plain .npz export.
 
-A checkpoint holds the parameters, the optimizer state, the step, the data
-sampler's state, the model config and the vocabulary. It is written to a
-temporary file in the same folder and renamed over the old one
-(``files.atomic_write``), so a crash mid-write leaves the previous checkpoint
-intact and never a partial file. It is read with
-``np.load(allow_pickle=False)``: pytrees are rebuilt from a template (a
-freshly initialised state of the same model), so nothing is unpickled.
+A run's checkpoints live in ``<workdir>/checkpoints/``, one folder per saved
+step, written by an Orbax ``CheckpointManager``::
+
+  checkpoints/
+    10/                      a committed step
+      params/                parameters: Orbax's pytree format (OCDBT + zarr)
+      opt_state/             optimizer state, the same format
+      meta/metadata          JSON: step, data sampler state, model config, characters
+      _CHECKPOINT_METADATA   Orbax's bookkeeping, commit_success.txt
+    20/
+    30.orbax-checkpoint-tmp  a save under way (or killed): not a checkpoint
+
+Every process writes the shards its own devices hold (no gather to one host)
+and restores straight into the shardings of the current mesh, which may be
+another mesh than the one that saved. A save is asynchronous: it waits only
+for the arrays to be copied off the devices, and training goes on while a
+background thread writes them. A step folder is written under a temporary
+name and renamed when every process has finished, so a run killed at any
+point leaves its last committed step intact; the next start removes the
+unfinished folder. ``keep`` rotates old steps away.
+
+Nothing here is read with pickle. :func:`latest` reads the metadata without
+JAX, so that ``train.py --resume`` can check it before the processes join.
+:func:`export_npz` writes one ``.npz`` of host arrays for inspection without
+Orbax (``np.load(path, allow_pickle=False)``).
+
+``import stacktools`` never imports this module, nor Orbax: Orbax is a
+dependency of the example only (``pip install -e '.[examples]'``).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+import logging as py_logging
 import os
-import zipfile
-from typing import Any
+import sys
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from examples.gpt import files
 
-FILENAME = "checkpoint.npz"
+
+class _Lazy:
+  """A module imported at its first use, so that a binary stopping at a flag
+  error (train.py imports this module) does not pay for importing Orbax."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr: str) -> Any:
+    return getattr(importlib.import_module(self._name), attr)
+
+
+ocp = _Lazy("orbax.checkpoint")
+epath = _Lazy("etils.epath")
+
+FOLDER = "checkpoints"
+# The suffix of a step folder that is still being written (or never finished).
+UNFINISHED_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 class CheckpointError(Exception):
@@ -29,7 +68,7 @@ class CheckpointError(Exception):
 
 
 class NotFoundError(CheckpointError):
-  """There is no checkpoint file.
+  """There is no committed checkpoint.
 
   The message only says where none is: what to do about it depends on the
   binary (train.py: drop --resume; sample.py: train first), so the caller
@@ -37,106 +76,298 @@ class NotFoundError(CheckpointError):
   """
 
 
-def path_in(workdir: str) -> str:
-  return os.path.join(workdir, FILENAME)
+def folder(workdir: str) -> str:
+  """Where the step folders of ``workdir`` live."""
+  return os.path.join(os.path.abspath(workdir), FOLDER)
 
 
-def _flatten(prefix: str, tree: Any) -> dict[str, np.ndarray]:
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {prefix + jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+def committed_steps(workdir: str) -> list[int]:
+  """The committed steps in ``workdir``, ascending; no JAX involved."""
+  root = folder(workdir)
+  if not os.path.isdir(root):
+    return []
+  return sorted(ocp.path.step.checkpoint_steps(root))
 
 
-def save(workdir: str, trees: dict[str, Any], meta: dict[str, Any]) -> str:
-  """Writes ``trees`` (name -> pytree) and ``meta`` (JSON-able) atomically."""
-  arrays = {}
-  for name, tree in trees.items():
-    arrays.update(_flatten(name, tree))
-  arrays["__meta__"] = np.array(json.dumps(meta))
-  os.makedirs(workdir, exist_ok=True)
-  files.atomic_write(path_in(workdir), lambda f: np.savez(f, **arrays))
-  return path_in(workdir)
+def unfinished(workdir: str) -> list[str]:
+  """Names of the step folders in ``workdir`` that were never committed."""
+  root = folder(workdir)
+  if not os.path.isdir(root):
+    return []
+  return sorted(name for name in os.listdir(root) if UNFINISHED_SUFFIX in name)
 
 
-def load_meta(workdir: str) -> dict[str, Any]:
-  """The metadata of the checkpoint in ``workdir``.
+def _one_line(error: BaseException) -> str:
+  """An exception's message on one line (tensorstore's span several)."""
+  text = " ".join(str(error).split()) or type(error).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def latest(workdir: str) -> tuple[int, dict[str, Any]]:
+  """The latest committed step of ``workdir`` and its metadata.
+
+  Reads the files only, without starting JAX: callable before
+  ``jax.distributed.initialize``. Every process of a run reads the same.
 
   Raises:
-    NotFoundError: there is no checkpoint.
-    CheckpointError: it is not a readable checkpoint.
+    NotFoundError: no committed step (a half-written one does not count).
+    CheckpointError: the latest step's metadata is unreadable.
   """
-  with _open(workdir) as data:
-    return json.loads(str(data["__meta__"]))
+  steps = committed_steps(workdir)
+  if not steps:
+    raise NotFoundError(f"No checkpoint in {folder(workdir)}.")
+  step = steps[-1]
+  path = os.path.join(folder(workdir), str(step))
+  try:
+    meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
+    if not isinstance(meta, dict) or meta.get("step") != step:
+      raise ValueError(f"its metadata says step {meta.get('step') if isinstance(meta, dict) else meta!r}")
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f"{path} is not a readable checkpoint ({_one_line(e)}); delete that "
+        "folder to resume from the step before, or point --workdir elsewhere.") from None
+  return step, meta
 
 
-def load(workdir: str, templates: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Reads the checkpoint in ``workdir`` into the structure of ``templates``.
+class _QuietOrbax(py_logging.Filter):
+  """Drops Orbax's INFO lines (a dozen per save) from absl's log."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+_QUIET = _QuietOrbax()
+
+
+def _quiet_orbax() -> None:
+  py_logging.getLogger("absl").addFilter(_QUIET)  # once: a logger's filters are a set
+
+
+def _handlers() -> dict[str, Any]:
+  return {"params": ocp.StandardCheckpointHandler(),
+          "opt_state": ocp.StandardCheckpointHandler(),
+          "meta": ocp.JsonCheckpointHandler()}
+
+
+def _key(path: tuple[Any, ...]) -> str:
+  """A tree path as ``"h/block/fc/w"``: dict keys, attribute names and
+  indices joined by ``/``. The same for a namedtuple and the dict Orbax
+  reads it back as."""
+  parts = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        parts.append(str(getattr(entry, attr)))
+        break
+    else:
+      parts.append(str(entry))
+  return "/".join(parts)
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+  """``{"h/block/fc/w": leaf, ...}``: the leaves of ``tree`` by :func:`_key`."""
+  return {_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class Manager:
+  """Saves one run's checkpoints (:func:`restore` reads them); every process makes one.
+
+  Every method is a collective in a multi-process run: every process calls
+  it, in the same order.
 
   Args:
-    workdir: the folder holding ``checkpoint.npz``.
-    templates: name -> pytree with the expected structure, shapes and dtypes.
+    workdir: the run's folder; checkpoints go to ``<workdir>/checkpoints``.
+    keep: how many of the latest steps to keep (older ones are deleted).
+    asynchronous: write in a background thread (the default), or block.
+  """
+
+  def __init__(self, workdir: str, keep: int, asynchronous: bool = True):
+    _quiet_orbax()
+    self.workdir = workdir
+    self.root = folder(workdir)
+    # Left by a run killed while it saved; the manager removes them.
+    self.removed_unfinished = unfinished(workdir)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=asynchronous)
+    self._manager = ocp.CheckpointManager(self.root, options=options,
+                                          item_handlers=_handlers())
+
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+    """Starts saving ``step``; returns once the arrays are off the devices.
+
+    Args:
+      step: the step number (the folder's name); ``meta["step"]`` is set to it.
+      params, opt_state: (possibly sharded) arrays; each process writes the
+        shards it holds.
+      meta: JSON-able metadata (sampler state, model config, characters).
+    """
+    saved = self._manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave({**meta, "step": step})))
+    if not saved:  # Orbax skips a step at or below its latest one
+      raise CheckpointError(
+          f"Orbax did not save step {step} in {self.root}: it holds step "
+          f"{self._manager.latest_step()} already.")
+
+  def saving(self) -> bool:
+    """Whether a save is still being written (in the background)."""
+    return self._manager.is_saving_in_progress()
+
+  def wait(self) -> None:
+    """Blocks until the last save is committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the last save, then releases Orbax's threads."""
+    self._manager.close()
+
+
+def restore(workdir: str, step: int, params: Any,
+            opt_state: Optional[Any] = None) -> tuple[Any, Any]:
+  """Reads ``step`` of ``workdir`` into the structure, shapes and shardings of templates.
+
+  A collective in a multi-process run: every process reads the shards that
+  its devices hold under the templates' shardings.
+
+  Args:
+    workdir: the run's folder.
+    step: a committed step (see :func:`latest`).
+    params: ``jax.ShapeDtypeStruct``s with ``sharding`` set: where each
+      process puts what it reads (any mesh, not only the one that saved).
+    opt_state: the same for the optimizer state, or None to skip it.
 
   Returns:
-    ``(trees, meta)``.
+    ``(params, opt_state)`` as ``jax.Array``s (``opt_state`` None if skipped).
 
   Raises:
-    NotFoundError: there is no checkpoint.
-    CheckpointError: corrupt, or from a different model.
+    CheckpointError: from another model, or unreadable (corrupt, missing files).
   """
-  path = path_in(workdir)
-  with _open(workdir) as data:
-    meta = json.loads(str(data["__meta__"]))
-    trees = {}
-    for name, template in templates.items():
-      leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-      restored = []
-      for key_path, leaf in leaves:
-        key = name + jax.tree_util.keystr(key_path)
-        if key not in data.files:
-          raise CheckpointError(
-              f"{path} has no {key}: it was written by a different model or "
-              "flags (e.g. --num_layers, --stack). Use the same model flags, or "
-              "a new --workdir.")
-        value = _read(data, key, path)
-        # Templates may be arrays or jax.ShapeDtypeStructs.
-        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-        if value.shape != shape or value.dtype != dtype:
-          raise CheckpointError(
-              f"{path}: {key} is {value.dtype}{list(value.shape)} but the model "
-              f"needs {dtype}{list(shape)}; the model flags differ from the run "
-              "that wrote it.")
-        restored.append(value)
-      trees[name] = jax.tree_util.tree_unflatten(treedef, restored)
-  return trees, meta
-
-
-def _read(data, key: str, path: str) -> np.ndarray:
-  try:
-    return data[key]
-  except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-    raise CheckpointError(f"{path}: {key} is unreadable ({e}); the file is "
-                          "corrupt: delete it or point --workdir elsewhere.") from None
-
-
-class _open:  # pylint: disable=invalid-name
-  """``np.load`` with errors turned into CheckpointError."""
-
-  def __init__(self, workdir: str):
-    self.path = path_in(workdir)
-
-  def __enter__(self):
-    if not os.path.exists(self.path):
-      raise NotFoundError(f"No checkpoint at {self.path}.")
+  _quiet_orbax()
+  step_dir = epath.Path(folder(workdir)) / str(step)
+  # When one read fails, Orbax closes its event loop while tensorstore still
+  # completes the others, whose callbacks then raise "Event loop is closed"
+  # as unraisable exceptions: a traceback after the one-line error. Dropped
+  # from here on if the restore fails (the caller exits).
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = _IgnoreClosedLoop(previous_hook)
+  restored = {}
+  for item, template in (("params", params), ("opt_state", opt_state)):
+    if template is None:
+      restored[item] = None
+      continue
+    handler = ocp.StandardCheckpointHandler()
     try:
-      self.data = np.load(self.path, allow_pickle=False)
-      if "__meta__" not in self.data.files:
-        raise ValueError("no metadata")
-      return self.data
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+      saved = _saved_tree(handler, step_dir / item)
+      if item == "params":  # the optimizer state follows the parameters
+        check_matches(str(step_dir), saved, template)
+      restored[item] = handler.restore(step_dir / item,
+                                       args=ocp.args.StandardRestore(template))
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
-          f"{self.path} is not a readable checkpoint ({e}); delete it or "
-          "point --workdir elsewhere.") from None
+          f"{step_dir} is not a readable checkpoint ({_one_line(e)}); delete "
+          "that folder to resume from the step before, or point --workdir "
+          "elsewhere.") from None
+    finally:
+      handler.close()
+  sys.unraisablehook = previous_hook
+  return restored["params"], restored["opt_state"]
 
-  def __exit__(self, *exc):
-    self.data.close()
-    return False
+
+class _IgnoreClosedLoop:
+  """A ``sys.unraisablehook`` that drops "Event loop is closed" errors."""
+
+  def __init__(self, previous: Any):
+    self.previous = previous
+
+  def __call__(self, unraisable: Any) -> None:
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+      return
+    self.previous(unraisable)
+
+
+def _saved_tree(handler: Any, path: Any) -> Any:
+  """The saved pytree's metadata (shapes and dtypes) of one item."""
+  if not path.is_dir():
+    raise FileNotFoundError(f"it has no {path.name}/ folder")
+  return handler.metadata(path).tree
+
+
+def check_matches(path: str, metadata: Any, template: Any) -> None:
+  """Raises CheckpointError unless the saved params have the template's
+  names, shapes and dtypes (the same model flags)."""
+  tree = metadata
+  if tree is None:
+    raise CheckpointError(f"{path} is not a readable checkpoint (no parameter "
+                          "metadata); delete that folder or point --workdir elsewhere.")
+  saved = flatten(tree)
+  for key, leaf in flatten(template).items():
+    if key not in saved:
+      raise CheckpointError(
+          f"{path} has no parameter {key}: it was written by a different model "
+          "or flags (e.g. --num_layers, --stack). Use the same model flags, or "
+          "a new --workdir.")
+    entry = saved[key]
+    shape, dtype = tuple(entry.shape), np.dtype(entry.dtype)
+    if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
+      raise CheckpointError(
+          f"{path}: parameter {key} is {dtype}{list(shape)} but the model needs "
+          f"{np.dtype(leaf.dtype)}{list(leaf.shape)}; the model flags differ from "
+          "the run that wrote it.")
+  extra = sorted(set(saved) - set(flatten(template)))
+  if extra:
+    raise CheckpointError(
+        f"{path} has parameters the model lacks ({', '.join(extra[:3])}"
+        f"{', ...' if len(extra) > 3 else ''}): it was written by a different "
+        "model or flags (e.g. --num_layers, --stack). Use the same model flags, "
+        "or a new --workdir.")
+
+
+def read_arrays(workdir: str, step: Optional[int] = None,
+                item: str = "params") -> dict[str, np.ndarray]:
+  """One item of a checkpoint as host arrays, whatever mesh saved it.
+
+  For inspection and tests, in one process: ``{"h/block/fc/w": array, ...}``
+  (keys as :func:`flatten` makes them).
+
+  Args:
+    workdir: the run's folder.
+    step: a committed step; the latest if None.
+    item: ``"params"`` or ``"opt_state"``.
+  """
+  step = latest(workdir)[0] if step is None else step
+  path = epath.Path(folder(workdir)) / str(step) / item
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    tree = handler.metadata(path).tree
+    restore_args = jax.tree_util.tree_map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = ocp.PyTreeCheckpointHandler().restore(
+        path, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"{path} is not a readable checkpoint ({_one_line(e)}).") from None
+  finally:
+    handler.close()
+  return {k: np.asarray(v) for k, v in flatten(restored).items()}
+
+
+def export_npz(path: str, params: Any) -> str:
+  """Writes host ``params`` to ``path`` as one ``.npz``, atomically.
+
+  Keys are :func:`flatten`'s (``"h/block/fc/w"``: the Haiku module, then the
+  parameter); read it with ``np.load(path, allow_pickle=False)``.
+  """
+  arrays = {k: np.asarray(v) for k, v in flatten(params).items()}
+  folder_ = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder_, exist_ok=True)
+  return files.atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+  """What :func:`export_npz` wrote, without pickle."""
+  with np.load(path, allow_pickle=False) as data:
+    return {k: data[k] for k in data.files}

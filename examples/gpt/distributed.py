@@ -110,10 +110,24 @@ def put_tree(tree: Any, shardings: Any) -> Any:
   return jax.tree_util.tree_map(put_global, tree, shardings)
 
 
+def abstract_tree(shapes: Any, shardings: Any) -> Any:
+  """``jax.ShapeDtypeStruct``s with shardings: where a restore puts each array.
+
+  Args:
+    shapes: a pytree of arrays or ``ShapeDtypeStruct``s (``jax.eval_shape``'s).
+    shardings: the same pytree of ``NamedSharding``s (:func:`tree_shardings`).
+  """
+  return jax.tree_util.tree_map(
+      lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      shapes, shardings)
+
+
 def to_host(tree: Any) -> Any:
   """Full numpy copies of (possibly cross-process sharded) arrays.
 
-  A collective in a multi-process run: every process must call it.
+  A collective in a multi-process run: every process must call it, and every
+  process then holds every array whole. For what must be whole on one host
+  (sampling, ``--export_npz``); checkpoints never gather (checkpoint.py).
   """
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

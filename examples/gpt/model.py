@@ -13,6 +13,13 @@ The blocks come in two flavours, chosen by ``GPTConfig.block``:
 The same block, given a per-layer KV cache through ``st.per_layer``, returns
 ``(x, new_cache)``: that is how :func:`decode` generates token by token.
 
+``GPTConfig.pattern`` mixes two kinds of block in one stack (``st.Stacked``
+with ``pattern=``): ``L`` layers attend causally over the last ``window``
+positions only, ``G`` layers over the whole sequence; ``"LLLG"`` repeats three
+local layers and one global one. Decoding then keeps a ring cache of
+``window`` positions for each local layer and a full cache for each global
+layer, passed per kind with ``st.per_kind``.
+
 The attention and MLP intermediates are named with ``st.checkpoint_name``
 (``attn_out``, ``attn_probs``, ``mlp_hidden``, ``mlp_out``) so a policy can
 keep them.
@@ -21,6 +28,7 @@ keep them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import haiku as hk
@@ -30,6 +38,9 @@ import jax.numpy as jnp
 import stacktools as st
 
 CHECKPOINT_NAMES = ("attn_probs", "attn_out", "mlp_hidden", "mlp_out")
+#: The kinds of a pattern: a letter of --pattern, and the name its parameters
+#: live under (``h/local/...``, ``h/global/...``).
+KINDS = {"L": "local", "G": "global"}
 Cache = dict[str, jax.Array]
 
 
@@ -48,6 +59,10 @@ class GPTConfig:
     stack: ``"scan"`` (``st.Stacked``) or ``"unrolled"`` (``st.BlockSeq``).
     remat: a checkpoint policy or alias for the stack.
     unroll: layers per rolled loop iteration of the stack.
+    pattern: ``""`` for a stack of one block; otherwise the kinds of one
+      period, one letter per layer: ``L`` (sliding-window attention) or ``G``
+      (full attention), e.g. ``"LLLG"``.
+    window: how many positions (its own included) an ``L`` layer attends to.
   """
 
   vocab_size: int
@@ -60,6 +75,8 @@ class GPTConfig:
   stack: str = "scan"
   remat: Any = False
   unroll: int = 1
+  pattern: str = ""
+  window: int = 0
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -69,14 +86,37 @@ class GPTConfig:
       raise ValueError(f"block={self.block!r}: use 'fold' or 'scan'.")
     if self.stack not in ("scan", "unrolled"):
       raise ValueError(f"stack={self.stack!r}: use 'scan' or 'unrolled'.")
+    unknown = sorted(set(self.pattern) - set(KINDS))
+    if unknown:
+      raise ValueError(f"pattern={self.pattern!r} has {unknown}: use the letters L "
+                       "(sliding-window attention) and G (full attention), e.g. LLLG.")
+    if "L" in self.pattern and not 1 <= self.window <= self.seq_len:
+      raise ValueError(f"pattern={self.pattern!r} has L layers, which need a window "
+                       f"between 1 and seq_len={self.seq_len}; got window={self.window}.")
+    if self.window and "L" not in self.pattern:
+      raise ValueError(f"window={self.window} is the span of L layers, but "
+                       f"pattern={self.pattern!r} has none; drop the window or "
+                       "add L layers to the pattern.")
+
+  def kind_count(self, letter: str) -> int:
+    """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""
+    period = len(self.pattern)
+    return sum(self.pattern[i % period] == letter for i in range(self.num_layers))
 
 
 class CausalSelfAttention(hk.Module):
-  """Multi-head causal self-attention, with an optional KV cache."""
+  """Multi-head causal self-attention, with an optional KV cache.
 
-  def __init__(self, cfg: GPTConfig, name: Optional[str] = None):
+  With a ``window``, each query attends to the last ``window`` positions (its
+  own included), and the cache is a ring of ``window`` slots: position ``p``
+  lives in slot ``p % window``.
+  """
+
+  def __init__(self, cfg: GPTConfig, window: Optional[int] = None,
+               name: Optional[str] = None):
     super().__init__(name=name)
     self.cfg = cfg
+    self.window = window
 
   def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
                pos: Optional[jax.Array] = None):
@@ -91,8 +131,12 @@ class CausalSelfAttention(hk.Module):
     qkv = hk.Linear(3 * cfg.d_model, name="qkv")(x)
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, head_dim), 3, axis=2)
     query_pos = jnp.arange(t)
+    key_pos = jnp.arange(t)
     new_cache = None
-    if cache is not None:
+    if cache is not None and self.window is not None:
+      k, v, key_pos, new_cache = self._ring(cache, k, v, pos)
+      query_pos = query_pos + pos
+    elif cache is not None:
       # The new keys and values go in at ``pos``; queries attend to every
       # cached position up to their own.
       k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype),
@@ -101,8 +145,10 @@ class CausalSelfAttention(hk.Module):
                                        (0, pos, 0, 0))
       new_cache = {"k": k, "v": v}
       query_pos = query_pos + pos
-    key_pos = jnp.arange(k.shape[1])
+      key_pos = jnp.arange(k.shape[1])
     mask = key_pos[None, :] <= query_pos[:, None]
+    if self.window is not None:
+      mask &= key_pos[None, :] > query_pos[:, None] - self.window
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
@@ -110,20 +156,43 @@ class CausalSelfAttention(hk.Module):
     out = st.checkpoint_name(hk.Linear(cfg.d_model, name="proj")(out), "attn_out")
     return out, probs, new_cache
 
+  def _ring(self, cache: Cache, k: jax.Array, v: jax.Array, pos: jax.Array):
+    """Keys and values to attend to (the ring, then the new ones), their
+    positions, and the ring with the newest ``window`` positions written."""
+    t, slots = k.shape[1], cache["k"].shape[1]
+    # Slot s holds the latest position before pos that is s modulo the ring's
+    # size; a negative one was never written and is masked out.
+    held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
+    key_pos = jnp.concatenate([jnp.where(held >= 0, held, -slots - 1), pos + jnp.arange(t)])
+    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
+    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
+    newest = min(t, slots)          # only the last ``slots`` new ones survive
+    where = (pos + t - newest + jnp.arange(newest)) % slots
+    new_cache = {"k": cache["k"].at[:, where].set(k[:, t - newest:].astype(cache["k"].dtype)),
+                 "v": cache["v"].at[:, where].set(v[:, t - newest:].astype(cache["v"].dtype))}
+    return keys, values, key_pos, new_cache
+
 
 class Block(hk.Module):
-  """A pre-LayerNorm transformer block (attention, then MLP)."""
+  """A pre-LayerNorm transformer block (attention, then MLP).
 
-  def __init__(self, cfg: GPTConfig, name: Optional[str] = None):
+  ``window``: attend over the last ``window`` positions only (an ``L``
+  layer); ``None`` for full causal attention.
+  """
+
+  def __init__(self, cfg: GPTConfig, window: Optional[int] = None,
+               name: Optional[str] = None):
     super().__init__(name=name)
     self.cfg = cfg
+    self.window = window
 
   def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
                pos: Optional[jax.Array] = None):
     cfg = self.cfg
     x_in = x
     ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln1")
-    attn, probs, new_cache = CausalSelfAttention(cfg, name="attn")(ln1(x), cache, pos)
+    attn, probs, new_cache = CausalSelfAttention(cfg, self.window, name="attn")(
+        ln1(x), cache, pos)
     x = x + attn
     ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln2")
     h = hk.Linear(cfg.mlp_ratio * cfg.d_model, name="fc")(ln2(x))
@@ -149,11 +218,19 @@ def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str
   }
 
 
-def _stack(cfg: GPTConfig):
+def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None):
+  """The block stack ``h``: one block, or the kinds of ``cfg.pattern``."""
+  if cfg.pattern:
+    windows = {"L": cfg.window, "G": None}
+    make_block = {KINDS[c]: functools.partial(Block, cfg, windows[c])
+                  for c in dict.fromkeys(cfg.pattern)}
+    config = dict(pattern=tuple(KINDS[c] for c in cfg.pattern), ys_by_kind=ys_by_kind)
+  else:
+    make_block, config = (lambda: Block(cfg)), {}
   if cfg.stack == "unrolled":   # a Python loop: nothing to unroll further
-    return st.BlockSeq(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat, name="h")
-  return st.Stacked(lambda: Block(cfg), cfg.num_layers, remat=cfg.remat,
-                    unroll=cfg.unroll, name="h")
+    return st.BlockSeq(make_block, cfg.num_layers, remat=cfg.remat, name="h", **config)
+  return st.Stacked(make_block, cfg.num_layers, remat=cfg.remat,
+                    unroll=cfg.unroll, name="h", **config)
 
 
 def _embed(cfg: GPTConfig, tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
@@ -185,11 +262,22 @@ def forward(cfg: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, Optional[dict
   return _head(cfg, x), stats
 
 
-def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32) -> Cache:
-  """An empty KV cache: ``[num_layers, B, seq_len, heads, head_dim]`` each."""
-  shape = (cfg.num_layers, batch_size, cfg.seq_len, cfg.num_heads,
-           cfg.d_model // cfg.num_heads)
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
+  """An empty KV cache: ``[num_layers, B, seq_len, heads, head_dim]`` each.
+
+  With a pattern, one per kind: ``{"local": ..., "global": ...}``, a local
+  layer's ``window`` positions long (a ring), a global layer's ``seq_len``;
+  the leading axis is the kind's count.
+  """
+  def zeros(layers, length):
+    shape = (layers, batch_size, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+  if not cfg.pattern:
+    return zeros(cfg.num_layers, cfg.seq_len)
+  lengths = {"L": cfg.window, "G": cfg.seq_len}
+  return {KINDS[c]: zeros(cfg.kind_count(c), lengths[c])
+          for c in dict.fromkeys(cfg.pattern) if cfg.kind_count(c)}
 
 
 def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
@@ -197,8 +285,9 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
   """Logits for ``tokens`` placed at ``pos``, attending to the cache.
 
   Call inside ``hk.transform`` (same parameters as :func:`forward`). The
-  cache goes into the stack sliced per layer with ``st.per_layer`` and the
-  updated cache comes back as the stack's scan output.
+  cache goes into the stack sliced per layer with ``st.per_layer`` (per kind
+  with ``st.per_kind`` for a pattern) and the updated cache comes back as
+  the stack's scan output, in the same layout.
 
   Args:
     cfg: the model config.
@@ -210,7 +299,10 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
     ``(logits [B, T, vocab], new_cache)``.
   """
   x = _embed(cfg, tokens, pos)
-  x, cache = _stack(cfg).scan(x, st.per_layer(cache), pos)
+  if cfg.pattern:
+    x, cache = _stack(cfg, ys_by_kind=True).scan(x, st.per_kind(cache), pos)
+  else:
+    x, cache = _stack(cfg).scan(x, st.per_layer(cache), pos)
   return _head(cfg, x), cache
 
 

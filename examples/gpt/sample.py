@@ -80,7 +80,8 @@ def generate(cfg: model_lib.GPTConfig, params, dataset: data_lib.CharDataset,
 def define_flags() -> None:
   """This binary's flags; defined only when it runs, so train.py can import
   :func:`generate` without a clash of flag names."""
-  flags.DEFINE_string("workdir", "workdir/gpt", "Folder holding checkpoint.npz.")
+  flags.DEFINE_string("workdir", "workdir/gpt", "Folder that train.py wrote its "
+                      "checkpoints to (the latest committed step is used).")
   flags.DEFINE_string("prompt", "def ", "Text to continue.")
   flags.DEFINE_integer("num_tokens", 300, "Characters to generate.", lower_bound=1)
   flags.DEFINE_float("temperature", 0.8, "0 for greedy.", lower_bound=0.0)
@@ -97,9 +98,9 @@ def main(argv):
   if problem:
     train_first = f", or train first with {train}" if problem == files.MISSING else ""
     sys.exit(f"error: --workdir={workdir!r} {problem}; pass the folder that "
-             f"train.py wrote checkpoint.npz to{train_first}.")
+             f"train.py wrote its checkpoints to{train_first}.")
   try:
-    meta = checkpoint.load_meta(workdir)
+    step, meta = checkpoint.latest(workdir)
   except checkpoint.NotFoundError as e:
     sys.exit(f"error: {e} Train first with {train}.")
   except checkpoint.CheckpointError as e:
@@ -111,10 +112,13 @@ def main(argv):
   template = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
   shapes = jax.eval_shape(template.init, jax.random.PRNGKey(0),
                           jnp.zeros((1, cfg.seq_len), jnp.int32))
-  zeros = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  # Whatever mesh saved it, the parameters are read onto this one device.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   try:
-    trees, _ = checkpoint.load(workdir, {"params": zeros})
-    text = generate(cfg, trees["params"], dataset, FLAGS.prompt, FLAGS.num_tokens,
+    params, _ = checkpoint.restore(
+        workdir, step, jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes))
+    text = generate(cfg, params, dataset, FLAGS.prompt, FLAGS.num_tokens,
                     temperature=FLAGS.temperature, seed=FLAGS.seed)
   except (checkpoint.CheckpointError, ValueError) as e:
     sys.exit(f"error: {e}")

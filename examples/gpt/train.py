@@ -4,12 +4,18 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=nested --block=scan
   python examples/gpt/train.py --stack=unrolled        # st.BlockSeq, a Python loop
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
+  python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
+  python examples/gpt/train.py --remat=auto --memory_budget=8MiB   # planned
 
 Logs step, train and validation loss, tokens/s and step time, and at start-up
 the compiled temp memory of the train step (which is what --remat changes).
-Writes metrics.jsonl, checkpoint.npz (every --checkpoint_every steps) and
-loss.png (with matplotlib installed) to --workdir, each atomically; a start
-removes the temporary files that a killed run's writes left there.
+Writes metrics.jsonl and loss.png (with matplotlib installed) to --workdir,
+each atomically (with --remat=auto also remat_plan.json: the report of every
+candidate and the chosen plan), and Orbax checkpoints to --workdir/checkpoints/<step>/
+(every --checkpoint_every steps and at the end, asynchronously, each process
+its own shards, the last --keep_checkpoints kept); a start removes what a
+killed run's writes left there. --export_npz also writes the final parameters
+as one .npz.
 """
 
 from __future__ import annotations
@@ -43,7 +49,18 @@ from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at
 
 REMAT_CHOICES = tuple(st.REMAT_ALIASES)
 
-_REMAT = flags.DEFINE_enum("remat", "full", REMAT_CHOICES, "Checkpoint policy of the block stack.")
+_REMAT = flags.DEFINE_string(
+    "remat", "full", "Checkpoint policy of the block stack: one of "
+    f"{', '.join(REMAT_CHOICES)}; 'auto' (planned under --memory_budget); or "
+    "per-depth segments alias:layers, e.g. none:2,full:6 (the layers add up to "
+    "--num_layers).")
+_MEMORY_BUDGET = flags.DEFINE_string(
+    "memory_budget", None, "With --remat=auto: the most compiled temp memory of "
+    "the train step, e.g. 48MiB or bytes; the fastest plan within it is used.")
+_REMAT_CANDIDATES = flags.DEFINE_list(
+    "remat_candidates", None, "With --remat=auto: plan among these candidates "
+    "only (e.g. full,nested,save:mlp_hidden,none:2,full:2), to plan faster; "
+    "default: every alias, every tagged name and per-depth mixes.")
 _SAVE_NAMES = flags.DEFINE_list(
     "save_names", [], "Checkpoint names to keep on top of --remat (one of "
     f"{', '.join(model_lib.CHECKPOINT_NAMES)}); needs --remat full, nested or offload.")
@@ -55,6 +72,13 @@ _BLOCK = flags.DEFINE_enum("block", "fold", ("fold", "scan"),
 _STACK = flags.DEFINE_enum("stack", "scan", ("scan", "unrolled"),
                            "scan: st.Stacked; unrolled: st.BlockSeq (a Python loop).")
 _UNROLL = flags.DEFINE_integer("unroll", 1, "Layers per rolled scan iteration.", lower_bound=1)
+_PATTERN = flags.DEFINE_string(
+    "pattern", "", "Mixed layers: the kinds of one period of the stack, one letter "
+    "per layer, repeated: L (causal attention over the last --window positions) or "
+    "G (full causal attention), e.g. LLLG. Default: one kind of block, global.")
+_WINDOW = flags.DEFINE_integer(
+    "window", 32, "Positions (its own included) an L layer of --pattern attends "
+    "to; decoding keeps a ring cache this long for each L layer.", lower_bound=1)
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1)
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
@@ -76,7 +100,15 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sample
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/gpt", "Where metrics, checkpoints and plots go.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every", 0, "Steps between checkpoints (0: only at the end).", lower_bound=0)
-_RESUME = flags.DEFINE_bool("resume", False, "Continue from the checkpoint in --workdir.")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest committed "
+                            "checkpoint in --workdir, on any --mesh.")
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    "keep_checkpoints", 3, "Checkpoints kept in --workdir/checkpoints (the latest "
+    "steps; older ones are deleted).", lower_bound=1)
+_EXPORT_NPZ = flags.DEFINE_string(
+    "export_npz", "", "After training, also write the final parameters to this "
+    "path as one .npz (np.load(path, allow_pickle=False); keys like "
+    "'h/block/fc/w'), gathered onto process 0. Default: no export.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1)
 _DATA_PATH = flags.DEFINE_string(
     "data_path", None, "A UTF-8 text file to train on (default: this Python's "
@@ -102,6 +134,41 @@ flags.register_multi_flags_validator(
 flags.register_validator(
     "save_names", lambda names: set(names) <= set(model_lib.CHECKPOINT_NAMES),
     message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
+def _check_remat(f: dict[str, Any]) -> bool:
+  # Raises to name what was wrong, which a fixed message cannot.
+  remat, layers, budget = f["remat"], f["num_layers"], f["memory_budget"]
+  if remat == "auto":
+    if budget is None:
+      raise flags.ValidationError(
+          "--remat=auto needs --memory_budget (e.g. --memory_budget=48MiB): the "
+          "plan is the fastest within that much compiled temp memory.")
+    try:
+      st.report.parse_bytes(budget)
+    except (TypeError, ValueError) as e:
+      raise flags.ValidationError(f"--memory_budget: {e}") from None
+    return True
+  if budget is not None or f["remat_candidates"] is not None:
+    raise flags.ValidationError("--memory_budget and --remat_candidates need "
+                                "--remat=auto.")
+  if remat in REMAT_CHOICES:
+    return True
+  if ":" not in remat:
+    raise flags.ValidationError(
+        f"--remat={remat!r} is not accepted: use one of {', '.join(REMAT_CHOICES)}, "
+        "auto, or per-depth segments such as none:2,full:6.")
+  try:
+    segments = st.parse_per_depth(remat)
+  except (TypeError, ValueError) as e:
+    raise flags.ValidationError(f"--remat: {e}") from None
+  if segments.num_layers != layers:
+    raise flags.ValidationError(
+        f"--remat={remat} covers {segments.num_layers} layers, but "
+        f"--num_layers={layers}; make the segment sizes add up to {layers}.")
+  return True
+
+
+flags.register_multi_flags_validator(
+    ["remat", "num_layers", "memory_budget", "remat_candidates"], _check_remat)
 flags.register_multi_flags_validator(
     ["save_names", "remat"],
     lambda f: not f["save_names"] or f["remat"] in ("full", "nested", "offload"),
@@ -127,17 +194,94 @@ def _check_nested_outer(f: dict[str, Any]) -> bool:
 
 
 flags.register_multi_flags_validator(["nested_outer", "num_layers"], _check_nested_outer)
+flags.register_validator(
+    "pattern", lambda p: set(p) <= set(model_lib.KINDS),
+    message="--pattern takes the letters L (sliding-window attention) and G (full "
+    "attention), e.g. --pattern=LLLG.")
+
+
+def _check_pattern(f: dict[str, Any]) -> bool:
+  pattern, window, seq_len = f["pattern"], f["window"], f["seq_len"]
+  if "L" in pattern and window > seq_len:
+    raise flags.ValidationError(
+        f"--window={window} is longer than --seq_len={seq_len}: an L layer would "
+        "attend to every position, as a G layer does. Pass --window<=--seq_len.")
+  periods = f["num_layers"] // len(pattern) if pattern else None
+  if pattern and f["nested_outer"] is not None and f["nested_outer"] > periods:
+    raise flags.ValidationError(
+        f"--nested_outer={f['nested_outer']} is larger than the {periods} whole "
+        f"periods of --pattern={pattern} in --num_layers={f['num_layers']}; with a "
+        f"pattern, nested splits whole periods: pass --nested_outer<={periods}.")
+  return True
+
+
+flags.register_multi_flags_validator(
+    ["pattern", "window", "seq_len", "num_layers", "nested_outer"], _check_pattern)
 
 
 def checkpoint_policy(remat: str, save_names: list[str],
-                      nested_outer: Optional[int]) -> st.CheckpointPolicy:
-  """The policy the flags ask for."""
+                      nested_outer: Optional[int]) -> Any:
+  """The remat value the flags ask for: a policy, per-depth segments or "auto"."""
+  if remat == "auto":
+    return remat
+  if ":" in remat:
+    return st.parse_per_depth(remat)
   policy = st.CheckpointPolicy.from_remat(remat)
   if save_names:
     policy = dataclasses.replace(policy, save_block_internals=tuple(save_names))
   if nested_outer is not None:
     policy = dataclasses.replace(policy, nested=nested_outer)
   return policy
+
+
+def remat_text(remat: Any) -> str:
+  """A remat value as the log shows it: an alias, or per_depth(...)."""
+  return st.segments.describe_remat(st.segments.as_remat(remat))
+
+
+def make_train_step(model: hk.Transformed,
+                    optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+  """``(params, opt_state, tokens) -> (params, opt_state, loss, stats)``."""
+
+  def train_step(params, opt_state, tokens):
+    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, stats
+
+  return train_step
+
+
+def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
+               params: Any, opt_state: Any, batch: jax.Array, workdir: str,
+               is_chief: bool) -> model_lib.GPTConfig:
+  """--remat=auto: the fastest plan within --memory_budget, logged and saved.
+
+  Every candidate train step is compiled and timed once (see
+  st.plan_remat); the report and the chosen plan go to the log and to
+  remat_plan.json in the workdir. A budget no candidate meets stops here.
+
+  Returns:
+    ``cfg`` with the chosen remat in place of "auto".
+  """
+  model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  logging.info("Planning --remat=auto within --memory_budget=%s: compiling and "
+               "timing every candidate.", _MEMORY_BUDGET.value)
+  try:
+    plan = st.plan_remat(make_train_step(model, optimizer), params, opt_state, batch,
+                         budget=_MEMORY_BUDGET.value, repeats=3,
+                         only=_REMAT_CANDIDATES.value)
+  except ValueError as e:
+    sys.exit(f"error: --memory_budget={_MEMORY_BUDGET.value}: {e}")
+  (chosen,) = plan.choice.values()   # the model has one stack
+  logging.info("%s", plan.report)
+  logging.info("Remat plan: %s (%s).", remat_text(chosen),
+               ", ".join(f"{k}={v}" for k, v in plan.labels.items()))
+  if is_chief:
+    os.makedirs(workdir, exist_ok=True)
+    text = json.dumps(plan.to_json(), indent=1, default=str)
+    files.atomic_write(os.path.join(workdir, "remat_plan.json"),
+                       lambda f: f.write(text), mode="w")
+  return dataclasses.replace(cfg, remat=chosen)
 
 
 def make_optimizer(steps: int) -> optax.GradientTransformation:
@@ -255,9 +399,10 @@ class Run:
   batch_sharding: Any
   compiled_step: Any  # params, opt_state, batch -> params, opt_state, loss, stats
   evaluate: Callable[[Any], float]  # params -> mean validation loss
-  # Gathers (params, opt_state) to the host and, on the chief, writes them
-  # with this step's metadata.
+  # Starts an asynchronous save of (params, opt_state) with this step's
+  # metadata: every process writes its own shards.
   save_checkpoint: Callable[[int, Any, Any], None]
+  checkpoints: checkpoint.Manager  # finish() waits for its last save
   params: Any  # at start_step
   opt_state: Any
   start_step: int
@@ -281,19 +426,29 @@ def set_up(argv) -> Run:
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments {argv[1:]}; every option is a --flag.")
   workdir = _WORKDIR.value
-  # Only process 0 writes (jax.process_index() is --process_id once the
-  # processes have joined); checked now, before the slow joining and loading.
-  if _NUM_PROCESSES.value == 1 or _PROCESS_ID.value == 0:
-    check_workdir(workdir)
-  resume_meta = None
+  # Every process writes its checkpoint shards there (process 0 alone the
+  # metrics, the plot and the export); checked now, before the slow joining
+  # and loading.
+  check_workdir(workdir)
+  if _EXPORT_NPZ.value and (_NUM_PROCESSES.value == 1 or _PROCESS_ID.value == 0):
+    problem = files.writable_folder_problem(os.path.dirname(os.path.abspath(_EXPORT_NPZ.value)))
+    if problem:
+      sys.exit(f"error: --export_npz={_EXPORT_NPZ.value!r}: its folder {problem}; "
+               "pass a path in a folder you can write to.")
+  resume_step, resume_meta = 0, None
   if _RESUME.value:
     try:
-      resume_meta = checkpoint.load_meta(workdir)
+      resume_step, resume_meta = checkpoint.latest(workdir)
     except checkpoint.NotFoundError as e:
       sys.exit(f"error: --resume: {e} Train first (with --checkpoint_every > 0), "
                "or drop --resume to start afresh.")
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
+  elif checkpoint.committed_steps(workdir):
+    steps = checkpoint.committed_steps(workdir)
+    sys.exit(f"error: --workdir={workdir!r} holds the checkpoints of an earlier run "
+             f"(steps {', '.join(map(str, steps))}); pass --resume to continue it, "
+             "or a new --workdir to start afresh.")
   try:
     distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
@@ -320,7 +475,8 @@ def set_up(argv) -> Run:
       vocab_size=dataset.vocab_size, seq_len=_SEQ_LEN.value,
       num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
       d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
-      remat=policy, unroll=_UNROLL.value)
+      remat=policy, unroll=_UNROLL.value, pattern=_PATTERN.value,
+      window=_WINDOW.value if "L" in _PATTERN.value else 0)
   steps = _STEPS.value
   last_step = steps if _STOP_AFTER.value is None else _STOP_AFTER.value
   logging.info("Corpus: %d training and %d validation characters, %d symbols; "
@@ -346,20 +502,27 @@ def set_up(argv) -> Run:
   opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
   param_shardings = distributed.tree_shardings(mesh, param_shapes)
   opt_shardings = distributed.tree_shardings(mesh, opt_shapes)
-  params = jax.jit(model.init, out_shardings=param_shardings)(init_key, sampler_peek(sampler))
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  # Every process joins; the first start after a kill removes the step
+  # folder that the killed save left unfinished.
+  checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
+  if checkpoints.removed_unfinished:
+    logging.info("Removed the unfinished checkpoint(s) of an interrupted save from "
+                 "%s: %s", checkpoints.root, ", ".join(checkpoints.removed_unfinished))
   start_step, records = 0, []
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  if _RESUME.value:
+  if not _RESUME.value:
+    params = jax.jit(model.init, out_shardings=param_shardings)(init_key, sampler_peek(sampler))
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+  else:
+    # Each process reads the shards of the current mesh, whichever mesh saved.
     try:
-      trees, meta = checkpoint.load(workdir, {"params": param_shapes,
-                                              "opt_state": opt_shapes})
+      params, opt_state = checkpoint.restore(
+          workdir, resume_step, distributed.abstract_tree(param_shapes, param_shardings),
+          distributed.abstract_tree(opt_shapes, opt_shardings))
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
-    params = distributed.put_tree(trees["params"], param_shardings)
-    opt_state = distributed.put_tree(trees["opt_state"], opt_shardings)
-    start_step = meta["step"]
-    sampler.set_state(meta["sampler_state"])
+    start_step = resume_step
+    sampler.set_state(resume_meta["sampler_state"])
     if os.path.exists(metrics_path):
       with open(metrics_path, encoding="utf-8") as f:
         records = [r for r in map(json.loads, f) if r["step"] <= start_step]
@@ -371,10 +534,12 @@ def set_up(argv) -> Run:
                distributed.per_device_bytes(params) / 1024,
                distributed.per_device_bytes(opt_state) / 1024)
 
-  def train_step(params, opt_state, tokens):
-    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, stats
+  if cfg.remat == "auto":
+    example_batch = distributed.put_global(sampler_peek(sampler), batch_sharding)
+    cfg = plan_remat(cfg, optimizer, params, opt_state, example_batch, workdir,
+                     is_chief)
+    model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  train_step = make_train_step(model, optimizer)
 
   replicated = distributed.replicated(mesh)
   compiled_step = jax.jit(
@@ -385,7 +550,7 @@ def set_up(argv) -> Run:
                                sharding=batch_sharding)).compile()
   memory = compiled_step.memory_analysis()
   logging.info("Train step: compiled temp memory %.2f MiB (remat=%s%s, stack=%s, block=%s).",
-               memory.temp_size_in_bytes / 2**20, _REMAT.value,
+               memory.temp_size_in_bytes / 2**20, remat_text(cfg.remat),
                f", save_names={','.join(_SAVE_NAMES.value)}" if _SAVE_NAMES.value else "",
                cfg.stack, cfg.block)
   eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
@@ -394,12 +559,9 @@ def set_up(argv) -> Run:
     return float(np.mean([eval_loss(params, b) for b in eval_batches]))
 
   def save_checkpoint(step, params, opt_state):
-    # Gathering is a collective: every process takes part, one writes.
-    trees = distributed.to_host({"params": params, "opt_state": opt_state})
-    if not is_chief:
-      return
-    checkpoint.save(workdir, trees, {
-        "step": step, "sampler_state": sampler.get_state(),
+    # A collective: every process writes its own shards, in the background.
+    checkpoints.save(step, params, opt_state, {
+        "sampler_state": sampler.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                    if f.name != "remat"},
         "chars": dataset.chars})
@@ -410,9 +572,39 @@ def set_up(argv) -> Run:
   return Run(workdir=workdir, metrics_path=metrics_path, is_chief=is_chief,
              dataset=dataset, cfg=cfg, sampler=sampler,
              batch_sharding=batch_sharding, compiled_step=compiled_step,
-             evaluate=evaluate, save_checkpoint=save_checkpoint, params=params,
+             evaluate=evaluate, save_checkpoint=save_checkpoint,
+             checkpoints=checkpoints, params=params,
              opt_state=opt_state, start_step=start_step, last_step=last_step,
              records=records)
+
+
+class Stopwatch:
+  """Training seconds between log lines, with evaluation and checkpoints left out.
+
+  Steps run asynchronously, so :meth:`stop` first waits for what was
+  dispatched (a step's loss): its time counts before the clock stops.
+  """
+
+  def __init__(self):
+    self._seconds = 0.0
+    self._since: Optional[float] = time.perf_counter()
+
+  def stop(self, pending: Any = None) -> None:
+    """Waits for ``pending``, then stops the clock."""
+    jax.block_until_ready(pending)
+    if self._since is not None:
+      self._seconds += time.perf_counter() - self._since
+      self._since = None
+
+  def start(self) -> None:
+    self._since = time.perf_counter()
+
+  def lap(self) -> float:
+    """Seconds the clock ran since the last lap; starts the next one."""
+    self.stop()
+    seconds, self._seconds = self._seconds, 0.0
+    self.start()
+    return seconds
 
 
 def train_loop(run: Run) -> Any:
@@ -429,7 +621,10 @@ def train_loop(run: Run) -> Any:
   """
   params, opt_state = run.params, run.opt_state
   last_step = run.last_step
-  window_losses, window_start = [], time.perf_counter()
+  # The losses of the steps since the last log line, and the seconds they
+  # took: the clock runs while steps run and stops (once the steps dispatched
+  # so far are done) for evaluation and checkpoints.
+  window_losses, stopwatch = [], Stopwatch()
   tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
   for step in range(run.start_step + 1, last_step + 1):
     batch = distributed.put_global(run.sampler.next(), run.batch_sharding)
@@ -437,8 +632,8 @@ def train_loop(run: Run) -> Any:
     window_losses.append(loss)
     record = None
     if step % _LOG_EVERY.value == 0 or step == last_step:
-      losses = [float(l) for l in window_losses]
-      elapsed = time.perf_counter() - window_start
+      losses = [float(l) for l in window_losses]  # waits for the steps
+      elapsed = stopwatch.lap()
       record = {"step": step, "train_loss": float(np.mean(losses)),
                 "step_time_s": elapsed / len(losses),
                 "tokens_per_s": tokens_per_step * len(losses) / elapsed}
@@ -450,35 +645,46 @@ def train_loop(run: Run) -> Any:
           record[name] = [round(float(v), 4) for v in values]
           message += f"\n    {name:>13} per layer: " + " ".join(f"{v:.3f}" for v in record[name])
       logging.info(message)
-      window_losses, window_start = [], time.perf_counter()
+      window_losses = []
     if step % _EVAL_EVERY.value == 0 or step == last_step:
+      stopwatch.stop(loss)  # evaluation is not training time
       record = record or {"step": step}
       record["valid_loss"] = run.evaluate(params)
       logging.info("step %5d  validation loss %.4f", step, record["valid_loss"])
-      window_start = time.perf_counter()  # evaluation is not training time
+      stopwatch.start()
     if record is not None:
       run.records.append(record)
       if run.is_chief:
         write_metrics(run.metrics_path, run.records)
     if (_CHECKPOINT_EVERY.value and step % _CHECKPOINT_EVERY.value == 0) or step == last_step:
+      stopwatch.stop(loss)  # nor is writing a checkpoint
       run.save_checkpoint(step, params, opt_state)
+      stopwatch.start()
   return params
 
 
 def finish(run: Run, params: Any) -> None:
-  """Logs the final loss; on the chief, plots the losses and samples.
+  """Logs the final loss, waits for the last checkpoint; on the chief, exports
+  (--export_npz), plots the losses and samples.
 
   Args:
     run: what :func:`set_up` made, its records filled by :func:`train_loop`.
     params: the final parameters.
   """
   dataset, records = run.dataset, run.records
-  host_params = distributed.to_host(params) if _SAMPLE_TOKENS.value else None
+  # Host copies of the parameters, for sampling and the export only (a
+  # collective that gathers every shard; checkpoints never gather).
+  host_params = (distributed.to_host(params)
+                 if _SAMPLE_TOKENS.value or _EXPORT_NPZ.value else None)
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",
                records[-1].get("valid_loss", float("nan")) if records else float("nan"),
                dataset.unigram_entropy())
+  # Every process waits until the last save is committed.
+  run.checkpoints.close()
   if not run.is_chief:
     return
+  if _EXPORT_NPZ.value:
+    logging.info("Wrote %s", checkpoint.export_npz(_EXPORT_NPZ.value, host_params))
   plot_losses(run.workdir, records, dataset.unigram_entropy())
   if _SAMPLE_TOKENS.value:
     # Sampling is small: it runs on process 0 alone, from host copies.

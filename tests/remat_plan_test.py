@@ -1,0 +1,348 @@
+"""Tests for per-depth policies, the remat report and the planner (remat="auto").
+
+References are independent of segments.py, report.py and plan.py:
+
+* values and gradients of ``per_depth`` stacks against the same stack with one
+  policy, against ``jax.grad`` of a Python loop over sliced weights, and
+  against the BlockSeq twin;
+* each report row's temp memory against compiling the step with that
+  candidate passed explicitly as ``remat=``;
+* FLOPs of a scan against the same loop unrolled in Python.
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stacktools as st
+from stacktools import _costs
+from stacktools import report as report_lib
+
+L, D, B = 6, 8, 4
+RTOL = 1e-5
+
+
+def _step(carry, w):
+  h = st.checkpoint_name(jnp.tanh(carry @ w), "hidden")
+  return carry + 0.5 * h
+
+
+def _weights(n=L, d=D, seed=0):
+  return 0.3 * jax.random.normal(jax.random.PRNGKey(seed), (n, d, d))
+
+
+def _python_loop(carry, ws, reverse=False):
+  for i in (reversed(range(ws.shape[0])) if reverse else range(ws.shape[0])):
+    carry = _step(carry, ws[i])
+  return carry
+
+
+def _value_and_grad(fold):
+  return jax.jit(jax.value_and_grad(lambda c, ws: jnp.sum(fold(c, ws) ** 2), (0, 1)))
+
+
+# ---------------------------------------------------------------------------
+# per_depth in the pure-JAX loops.
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("remat", [
+    st.per_depth((2, "none"), (4, "full")),
+    st.per_depth((1, "full"), (3, "nested"), (2, "offload")),
+    st.per_depth((4, st.CheckpointPolicy(save_block_internals=["hidden"])), (2, "save_all")),
+])
+def test_per_depth_fold_matches_python_loop(remat, reverse):
+  c, ws = jnp.ones((B, D)), _weights()
+  value, grads = _value_and_grad(st.fold(_step, remat=remat, reverse=reverse))(c, ws)
+  ref_value, ref_grads = _value_and_grad(
+      lambda c, ws: _python_loop(c, ws, reverse))(c, ws)
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  for got, want in zip(grads, ref_grads):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+
+
+def test_per_depth_scan_ys_in_layer_order():
+  ws = _weights()
+  step = lambda c, w: (_step(c, w), jnp.sum(c))
+  for reverse in (False, True):
+    _, ys = st.scan(step, remat=st.per_depth((2, "none"), (4, "full")),
+                    reverse=reverse)(jnp.ones((B, D)), ws)
+    _, ref = st.scan(step, reverse=reverse)(jnp.ones((B, D)), ws)
+    np.testing.assert_allclose(ys, ref, rtol=RTOL)
+
+
+def test_per_depth_counts_must_add_up():
+  with pytest.raises(ValueError, match=r"per_depth\(none:2,full:3\) covers 5 "
+                     r"layers, but the stack has 6\. Make the segment counts add up to 6"):
+    st.fold(_step, remat=st.per_depth((2, "none"), (3, "full")))(jnp.ones((B, D)), _weights())
+
+
+@pytest.mark.parametrize("segments,error,match", [
+    ((), ValueError, r"at least one \(num_layers, remat\) segment"),
+    (((0, "full"),), ValueError, r"segment 0 has num_layers=0"),
+    (((2, "auto"),), ValueError, r"segment 0 has remat='auto'"),
+    (((2, "nest"),), ValueError, r"remat='nest' is not a checkpoint policy"),
+    ((("full", 2),), ValueError, r"segment 0 has num_layers='full'"),
+    ((3,), TypeError, r"segment 0 is 3; each segment is a pair"),
+])
+def test_per_depth_bad_segments(segments, error, match):
+  with pytest.raises(error, match=match):
+    st.per_depth(*segments)
+
+
+def test_per_depth_nested_outer_checked_per_segment():
+  remat = st.per_depth((2, st.CheckpointPolicy(nested=3)), (4, "full"))
+  with pytest.raises(ValueError, match=r"nested=3\) asks for 3 outer chunks, but "
+                     r"the loop has only 2 steps"):
+    st.fold(_step, remat=remat)(jnp.ones((B, D)), _weights())
+
+
+def test_parse_per_depth():
+  assert st.parse_per_depth("none:2, full:4") == st.per_depth((2, "none"), (4, "full"))
+  assert str(st.parse_per_depth("nested:3,offload:1")) == "nested:3,offload:1"
+  for bad in ("none", "none:two", "none:2;full:4", "bogus:2"):
+    with pytest.raises(ValueError):
+      st.parse_per_depth(bad)
+
+
+def test_per_depth_memory_lies_between_its_policies():
+  # A carry-heavy stack (wide batch, small weights), where policies differ.
+  n, d, b = 8, 16, 1024
+  ws = _weights(n, d)
+  c = jnp.ones((b, d))
+
+  def temp(remat):
+    fn = jax.value_and_grad(lambda c: jnp.sum(st.fold(_step, remat=remat)(c, ws)))
+    return jax.jit(fn).lower(c).compile().memory_analysis().temp_size_in_bytes
+
+  none, full = temp("none"), temp("full")
+  mixed = temp(st.per_depth((4, "none"), (4, "full")))
+  assert full < mixed < none, (full, mixed, none)
+
+
+# ---------------------------------------------------------------------------
+# per_depth in the Haiku stacks.
+
+
+class _IndexedBlock(hk.Module):
+
+  def __call__(self, x):
+    scale = 1.0 + 0.1 * st.layer_index().astype(jnp.float32)   # the global index
+    return x + scale * jnp.tanh(hk.Linear(D, name="lin")(x))
+
+
+def _stack(cls, remat, reverse=False):
+  fn = lambda x: cls(lambda: _IndexedBlock(name="block"), L, remat=remat,
+                     reverse=reverse, name="h").fold(x)
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_per_depth_stacked_and_blockseq_match_single_policy(reverse):
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, D))
+  remat = st.per_depth((2, "none"), (1, "nested"), (3, "full"))
+  reference = _stack(st.Stacked, "none", reverse)
+  params = jax.jit(reference.init)(jax.random.PRNGKey(0), x)
+  loss = lambda f: jax.jit(jax.value_and_grad(lambda p: jnp.sum(f.apply(p, x) ** 2)))
+  ref_value, ref_grads = loss(reference)(params)
+  value, grads = loss(_stack(st.Stacked, remat, reverse))(params)
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6),
+               grads, ref_grads)
+  seq_value, seq_grads = loss(_stack(st.BlockSeq, remat, reverse))(
+      st.unstack_params(params, "h"))
+  np.testing.assert_allclose(seq_value, ref_value, rtol=RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6),
+               st.stack_params(seq_grads, "h"), ref_grads)
+
+
+@pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
+def test_per_depth_stack_counts_checked_at_construction(cls):
+  with pytest.raises(ValueError, match=rf"{cls.__name__}: st\.per_depth\(none:2,full:2\) "
+                     rf"covers 4 layers, but the stack has {L}"):
+    _stack(cls, st.per_depth((2, "none"), (2, "full"))).init(
+        jax.random.PRNGKey(0), jnp.ones((B, D)))
+
+
+# ---------------------------------------------------------------------------
+# FLOPs that count every layer.
+
+
+def test_flops_count_a_scan_like_the_unrolled_loop():
+  c, ws = jnp.ones((B, D)), _weights()
+  grad = lambda fold: jax.grad(lambda c: jnp.sum(fold(c, ws)))
+  scanned = _costs.flops(grad(st.fold(_step, remat="full")), c)
+  unrolled = _costs.flops(grad(lambda c, ws: _python_loop(c, ws)), c)
+  no_remat = _costs.flops(grad(st.fold(_step)), c)
+  # "full" recomputes the forward pass: more than the loop, less than twice.
+  assert no_remat == unrolled
+  assert unrolled < scanned < 2 * unrolled
+  # One matmul per layer forward, one backward (dx only): 2 * 2*B*D*D per layer.
+  assert unrolled >= L * 2 * (2 * B * D * D)
+
+
+# ---------------------------------------------------------------------------
+# The report and the planner.
+
+
+class _TaggedBlock(hk.Module):
+
+  def __call__(self, x):
+    h = st.checkpoint_name(jax.nn.gelu(hk.Linear(4 * D, name="fc")(x)), "mlp_hidden")
+    return x + st.checkpoint_name(hk.Linear(D, name="out")(h), "mlp_out")
+
+
+def _auto_step(num_stacks=1):
+  def loss(x):
+    for i in range(num_stacks):
+      x = st.Stacked(lambda: _TaggedBlock(name="block"), L, remat="auto",
+                     name=f"h{i}").fold(x)
+    return jnp.mean(x ** 2)
+  model = hk.without_apply_rng(hk.transform(loss))
+  x = jax.random.normal(jax.random.PRNGKey(1), (64, D))
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)   # init needs no plan
+  return jax.value_and_grad(model.apply), params, x, model
+
+
+# Compiling every candidate takes a while; the tests compile these.
+SOME = ("none", "full", "nested", "save:mlp_hidden", "none:3,full:3")
+
+
+@pytest.fixture(scope="module")
+def one_stack_report():
+  step, params, x, _ = _auto_step()
+  report = report_lib.remat_report(step, params, x, offload=True, only=SOME)
+  return report, step, params, x
+
+
+def test_candidates_found_by_tracing():
+  step, params, x, _ = _auto_step()
+  (stack,) = report_lib.discover(step, params, x)
+  assert (stack.key, stack.num_layers) == ("h0", L)
+  assert stack.tagged_names == ("mlp_hidden", "mlp_out")
+  labels = list(report_lib.candidates(stack))
+  assert labels[:5] == list(st.REMAT_ALIASES)
+  assert labels[5:] == [
+      "save:mlp_hidden", "save:mlp_out", "save:mlp_hidden+mlp_out",
+      "none:2,full:4", "none:3,full:3", "none:4,full:2",
+      "full:2,nested:4", "full:3,nested:3", "full:4,nested:2"]
+  assert "offload" not in report_lib.candidates(stack, offload=False)
+
+
+def test_report_rows_and_table(one_stack_report):
+  report, *_ = one_stack_report
+  assert [row.plan["h0"] for row in report.rows] == list(SOME)
+  text = str(report)
+  assert "temp MiB" in text and "none:3,full:3" in text
+  with pytest.raises(ValueError, match=r"only=\['bogus'\] keeps no candidate"):
+    report_lib.remat_report(*one_stack_report[1:], only=["bogus"])
+
+
+def test_joint_plans_fall_back_to_uniform():
+  few = {"a": {"none": 0, "full": 1}, "b": {"none": 0, "full": 1}}
+  assert len(report_lib._joint_plans(few)) == 4
+  many = {k: {f"c{i}": i for i in range(9)} for k in "ab"}   # 81 pairs
+  plans = report_lib._joint_plans(many)
+  assert plans == [{"a": f"c{i}", "b": f"c{i}"} for i in range(9)]
+
+
+@pytest.mark.parametrize("label", ["none", "full", "nested", "save:mlp_hidden",
+                                   "none:3,full:3"])
+def test_report_memory_is_the_candidates_compiled_memory(one_stack_report, label):
+  report, _, params, x = one_stack_report
+  remat = report_lib.candidates(report.stacks[0])[label]
+  loss = lambda x: jnp.mean(st.Stacked(lambda: _TaggedBlock(name="block"), L,
+                                          remat=remat, name="h0").fold(x) ** 2)
+  direct = jax.value_and_grad(hk.without_apply_rng(hk.transform(loss)).apply)
+  want = jax.jit(direct).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+  row = next(r for r in report.rows if r.plan["h0"] == label)
+  assert row.temp_bytes == want
+  assert row.flops == _costs.flops(direct, params, x)
+
+
+def test_report_orders_the_classic_trade(one_stack_report):
+  report, *_ = one_stack_report
+  by = {row.plan["h0"]: row for row in report.rows}
+  assert by["full"].temp_bytes < by["none"].temp_bytes
+  assert by["none"].flops < by["full"].flops < by["nested"].flops
+
+
+def test_plan_chooses_fewest_flops_within_budget(one_stack_report):
+  report, step, params, x = one_stack_report
+  by = {row.plan["h0"]: row for row in report.rows}
+  budget = (by["full"].temp_bytes + by["none"].temp_bytes) // 2
+  plan = st.RematPlan.from_report(report, budget=budget, by_time=False)
+  fits = [r for r in report.rows if r.temp_bytes <= budget]
+  chosen = plan.report.chosen
+  assert chosen.temp_bytes <= budget
+  assert chosen.flops == min(r.flops for r in fits)
+  assert plan.labels == dict(chosen.plan)
+  # Traced under the plan, the step compiles to the chosen candidate's memory.
+  with plan:
+    compiled = jax.jit(step).lower(params, x).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes == chosen.temp_bytes
+  wrapped = jax.jit(plan.wrap(step)).lower(params, x).compile()
+  assert wrapped.memory_analysis().temp_size_in_bytes == chosen.temp_bytes
+  # And computes what the step computes with any fixed policy.
+  with plan:
+    value, grads = jax.jit(step)(params, x)
+  with report_lib.segments_lib.plan_context(report_lib.Fixed({"h0": "none"})):
+    ref_value, ref_grads = jax.jit(lambda p, x: step(p, x))(params, x)
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads, ref_grads)
+
+
+def test_budget_below_every_candidate(one_stack_report):
+  report, step, params, x = one_stack_report
+  smallest = min(r.temp_bytes for r in report.rows)
+  with pytest.raises(ValueError, match=rf"No remat plan fits budget='1KiB'.*smallest "
+                     rf"compiled temp memory is .*\({smallest} bytes\), with plan"):
+    st.RematPlan.from_report(report, budget="1KiB", by_time=False)
+
+
+def test_auto_outside_a_plan_says_how_to_make_one():
+  step, params, x, _ = _auto_step()
+  with pytest.raises(ValueError, match=r"remat='auto' needs a plan.*st\.plan_remat"):
+    jax.jit(step)(params, x)
+
+
+def test_two_stacks_planned_jointly_and_measured():
+  step, params, x, _ = _auto_step(num_stacks=2)
+  plan = st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
+                       only=("none", "full"))
+  assert sorted(plan.labels) == ["h0", "h1"]
+  rows = plan.report.rows
+  assert sorted(tuple(r.plan.values()) for r in rows) == [
+      ("full", "full"), ("full", "none"), ("none", "full"), ("none", "none")]
+  assert all(r.step_time_s is not None and r.step_time_s > 0 for r in rows)
+  assert plan.report.chosen.step_time_s == min(r.step_time_s for r in rows)
+
+
+def test_pure_loops_keyed_by_trace_order():
+  ws = _weights()
+  def step(c):
+    c = st.fold(_step, remat="auto")(c, ws)
+    return jnp.sum(st.fold(_step, remat="auto")(c, ws))
+  c = jnp.ones((B, D))
+  assert [s.key for s in report_lib.discover(jax.grad(step), c)] == ["loop_0", "loop_1"]
+  plan = st.plan_remat(jax.grad(step), c, budget=10**9, measure=False,
+                       only=("full", "nested"))
+  with plan:
+    got = jax.jit(jax.grad(step))(c)
+  np.testing.assert_allclose(got, jax.grad(lambda c: jnp.sum(
+      _python_loop(_python_loop(c, ws), ws)))(c), rtol=RTOL)
+
+
+@pytest.mark.parametrize("budget,expected", [
+    (1000, 1000), ("48MiB", 48 * 2**20), ("1.5GB", 1_500_000_000), ("2 KiB", 2048)])
+def test_parse_bytes(budget, expected):
+  assert report_lib.parse_bytes(budget) == expected
+
+
+@pytest.mark.parametrize("budget", ["48 parsecs", "", "MiB", 0, -5, True])
+def test_parse_bytes_refuses(budget):
+  with pytest.raises((ValueError, TypeError)):
+    report_lib.parse_bytes(budget)
