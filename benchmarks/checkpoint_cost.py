@@ -53,7 +53,7 @@ from examples.gpt import model as model_lib
 NAME = "checkpoint_cost"
 KINDS = ("async", "sync")
 QUICK = ["--d_model", "32", "--num_layers", "2", "--num_heads", "2", "--seq_len", "16",
-         "--batch_size", "4", "--steps", "24", "--every", "4", "--window", "1",
+         "--batch_size", "4", "--steps", "14", "--every", "4", "--window", "1",
          "--warmup", "2"]
 
 
@@ -175,14 +175,23 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   tokens = np.random.default_rng(0).integers(
       0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1)).astype(np.int32)
   batch = jax.device_put(tokens)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
-  opt_state = jax.jit(optimizer.init)(params)
+  # --quick compiles with XLA's cheap LLVM settings: a smoke test checks
+  # that the script runs, not how fast the code is.
+  options = instruments.FAST_COMPILE if args.quick else None
 
-  @jax.jit
-  def train_step(params, opt_state, tokens):
+  def compiled(fn, *example):
+    return jax.jit(fn).lower(*example).compile(compiler_options=options)
+
+  key = jax.random.PRNGKey(0)
+  params = compiled(model.init, key, batch)(key, batch)
+  opt_state = compiled(optimizer.init, params)(params)
+
+  def step_fn(params, opt_state, tokens):
     (loss, _), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  train_step = compiled(step_fn, params, opt_state, batch)
 
   for _ in range(args.warmup):
     params, opt_state, loss = instruments.block(train_step(params, opt_state, batch))

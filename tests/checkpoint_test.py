@@ -246,7 +246,7 @@ def test_export_npz_holds_the_checkpoint_parameters(runs):
 def test_async_save_benchmark_quick(tmp_path):
   """benchmarks/checkpoint_cost.py --quick, in this process."""
   from benchmarks import checkpoint_cost  # pylint: disable=import-outside-toplevel
-  result = checkpoint_cost.main(["--quick", "--steps", "14", "--no_plot",
+  result = checkpoint_cost.main(["--quick", "--no_plot",
                                  "--results_dir", str(tmp_path)])
   on_disk = json.loads((tmp_path / "checkpoint_cost.json").read_text())
   assert on_disk["benchmark"] == "checkpoint_cost" and on_disk["quick"] is True
