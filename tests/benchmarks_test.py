@@ -29,6 +29,7 @@ from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
+from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
 from benchmarks import remat_plan  # pylint: disable=wrong-import-position
 from benchmarks import step_time  # pylint: disable=wrong-import-position
 
@@ -144,6 +145,76 @@ def test_remat_plan_quick(tmp_path):
   assert planning["candidates"] == 3
   assert result["summary"]["all_within_budget"] is True
   assert result["summary"]["report_temp_mismatches"] == {}
+
+
+# Stand-ins for the two programs nanogpt_cpu.py runs, which print (nanoGPT)
+# and write (ours) in their real formats: each step takes 10 ms in ours and
+# 20 ms in nanoGPT, whose iterations with an evaluation take 500 ms.
+FAKE_NANOGPT = """
+import os, pickle, sys
+import numpy as np
+args = dict(a[2:].split("=", 1) for a in sys.argv[2:])
+assert os.path.isfile(sys.argv[1]) and os.path.isfile("configurator.py")
+data = os.path.join("data", args["dataset"])
+meta = pickle.load(open(os.path.join(data, "meta.pkl"), "rb"))
+ids = np.fromfile(os.path.join(data, "train.bin"), dtype=np.uint16)
+assert 0 < ids.max() < meta["vocab_size"] == len(meta["itos"])
+every = int(args["eval_interval"])
+for it in range(int(args["max_iters"]) + 1):
+  if it % every == 0:
+    print(f"step {it}: train loss 2.0000, val loss {3 - it / 100:.4f}")
+  print(f"iter {it}: loss 2.0000, time {500 if it % every == 0 else 20:.2f}ms, mfu 0.00%")
+"""
+FAKE_TRAIN = """
+import json, os, sys
+flags = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+os.makedirs(flags["workdir"])
+with open(os.path.join(flags["workdir"], "metrics.jsonl"), "w") as f:
+  for step in range(1, int(flags["steps"]) + 1):
+    record = {"step": step}
+    if step % int(flags["log_every"]) == 0:
+      record.update(train_loss=2.0, step_time_s=0.010, tokens_per_s=1.0)
+    if step % int(flags["eval_every"]) == 0:
+      record["valid_loss"] = 2 - step / 100
+    if len(record) > 1:
+      f.write(json.dumps(record) + "\\n")
+"""
+
+
+def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
+  nanogpt = tmp_path / "nanoGPT"
+  (nanogpt / "config").mkdir(parents=True)
+  (nanogpt / "train.py").write_text(FAKE_NANOGPT)
+  for name in ("model.py", "configurator.py", "config/train_shakespeare_char.py"):
+    (nanogpt / name).write_text("")
+  torch = tmp_path / "torch_stand_in"
+  torch.mkdir()
+  (torch / "torch.py").write_text("__version__ = '0.0'\ndef get_num_threads():\n  return 2\n")
+  python = tmp_path / "python"
+  python.write_text(f'#!/bin/sh\nPYTHONPATH="{torch}" exec "{sys.executable}" "$@"\n')
+  python.chmod(0o755)
+  train = tmp_path / "train.py"
+  train.write_text(FAKE_TRAIN)
+  monkeypatch.setattr(nanogpt_cpu, "TRAIN", train)
+  corpus = tmp_path / "text.txt"
+  corpus.write_text("the cat sat on the mat. " * 400)
+  result = nanogpt_cpu.main(["--quick", "--results_dir", str(tmp_path / "results"),
+                             "--nanogpt_dir", str(nanogpt), "--nanogpt_python", str(python),
+                             "--data_path", str(corpus), "--rounds", "2", "--no_plot"])
+  on_disk = json.loads((tmp_path / "results" / f"{nanogpt_cpu.NAME}.json").read_text())
+  assert COMMON_KEYS <= set(on_disk)
+  assert [r["round"] for r in result["runs"]["nanogpt"]] == [0, 1]
+  summary = result["summary"]
+  # Evaluations are left out of nanoGPT's step times, and the first window.
+  assert summary["nanogpt"]["median_step_s"] == pytest.approx(0.020)
+  assert summary["ours"]["median_step_s"] == pytest.approx(0.010)
+  assert summary["ours_over_nanogpt"]["tokens_per_s"] == pytest.approx(2.0)
+  assert summary["ours_over_nanogpt"]["per_round"] == pytest.approx([2.0, 2.0])
+  steps = result["config"]["ours_flags"]["steps"]
+  assert summary["ours"]["final_valid_loss"] == pytest.approx(2 - steps / 100)
+  assert summary["nanogpt"]["final_valid_loss"] == pytest.approx(3 - steps / 100)
+  assert summary["ours_over_nanogpt"]["valid_loss_no_worse"] is True
+  assert "**2.00x**" in result["markdown"]
 
 
 def test_init_time_as_a_script_without_matplotlib(tmp_path):
