@@ -36,7 +36,8 @@ What is checked, against numbers:
   one device with exactly the parameters that run exported (gathered with
   ``process_allgather``, no Orbax);
 * bad meshes, batch sizes and process flags: one ``error:`` line, no
-  traceback, non-zero exit, nothing written;
+  traceback, non-zero exit, nothing written; so do two processes given
+  different workdirs (each writes its shards there), at the end of start-up;
 * the benchmark's quick run: per-device bytes of each mesh are the total
   over its fsdp size, and its losses equal one device's.
 """
@@ -327,6 +328,30 @@ def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
       assert fragment in lines[0], f"{name}: {fragment!r} not in {lines[0]!r}"
     assert not workdir.exists(), f"{name} wrote {gpt.listing(str(workdir))}"
   assert not (tmp_path / "work").exists()
+
+
+def test_processes_with_different_workdirs_stop_with_one_line(tmp_path):
+  """Each process writes its shards into --workdir, so all must share one:
+  two processes given two folders (as on hosts without a shared file
+  system) stop at start-up, each with the same last line, leaving nothing."""
+  corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
+  port = free_port()
+  procs = []
+  for i in range(2):
+    args = gpt.as_args({**TINY, "data_path": corpus, "workdir": tmp_path / f"work{i}",
+                        "num_processes": 2, "process_id": i,
+                        "coordinator_address": f"127.0.0.1:{port}"})
+    procs.append(subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO,
+                                  env=xla_env(1), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  for i, proc in enumerate(procs):
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --workdir={str(tmp_path / f'work{i}')!r}: process 1 "
+                           "of 2 does not see the files that process 0 writes"), last
+    assert "the same --workdir, on a file system they share" in last, last
+  assert sorted(os.listdir(tmp_path)) == ["text.txt"]
 
 
 # ---------------------------------------------------------------------------

@@ -179,12 +179,17 @@ class Manager:
     workdir: the run's folder; checkpoints go to ``<workdir>/checkpoints``.
     keep: how many of the latest steps to keep (older ones are deleted).
     asynchronous: write in a background thread (the default), or block.
+
+  Raises:
+    CheckpointError: (several processes) some process does not see the
+      folder that process 0 writes.
   """
 
   def __init__(self, workdir: str, keep: int, asynchronous: bool = True):
     _quiet_orbax()
     self.workdir = workdir
     self.root = folder(workdir)
+    check_shared(workdir)
     # Left by a run killed while it saved; the manager removes them.
     self.removed_unfinished = unfinished(workdir)
     options = ocp.CheckpointManagerOptions(
@@ -222,6 +227,44 @@ class Manager:
   def close(self) -> None:
     """Waits for the last save, then releases Orbax's threads."""
     self._manager.close()
+
+
+def check_shared(workdir: str) -> None:
+  """Raises CheckpointError unless every process sees the folder process 0 writes.
+
+  Every process writes its shards into ``workdir``, so all of them must pass
+  the same folder, on a file system they share. Process 0 writes a probe file
+  there, named by a token it broadcasts; every process says whether it sees
+  it; then the probe (and the folder, if this made it) goes. A collective:
+  every process calls it; with one process it does nothing.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  token = np.frombuffer(os.urandom(8), np.uint8)
+  token = np.asarray(multihost_utils.broadcast_one_to_all(token)).astype(np.uint8)
+  probe = os.path.join(os.path.abspath(workdir), f".shared-probe-{token.tobytes().hex()}")
+  made = False
+  if jax.process_index() == 0:
+    made = not os.path.isdir(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    with open(probe, "wb"):
+      pass
+  multihost_utils.sync_global_devices("examples/gpt/checkpoint.py: probe written")
+  seen = np.asarray(multihost_utils.process_allgather(
+      np.asarray([os.path.exists(probe)], np.int32))).reshape(-1)
+  blind = [str(i) for i, ok in enumerate(seen) if not ok]
+  if jax.process_index() == 0:
+    os.remove(probe)
+    if blind and made and not any(True for _ in os.scandir(workdir)):
+      os.rmdir(workdir)  # the run stops: leave nothing behind
+  if blind:
+    raise CheckpointError(
+        f"process{'es' if len(blind) > 1 else ''} {', '.join(blind)} of "
+        f"{jax.process_count()} do{'es' if len(blind) == 1 else ''} not see the "
+        f"files that process 0 writes in its --workdir; every process writes its "
+        "shards there: pass all of them the same --workdir, on a file system "
+        "they share.")
 
 
 def restore(workdir: str, step: int, params: Any,

@@ -504,7 +504,10 @@ def set_up(argv) -> Run:
   opt_shardings = distributed.tree_shardings(mesh, opt_shapes)
   # Every process joins; the first start after a kill removes the step
   # folder that the killed save left unfinished.
-  checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
+  try:
+    checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
+  except checkpoint.CheckpointError as e:
+    sys.exit(f"error: --workdir={workdir!r}: {e}")
   if checkpoints.removed_unfinished:
     logging.info("Removed the unfinished checkpoint(s) of an interrupted save from "
                  "%s: %s", checkpoints.root, ", ".join(checkpoints.removed_unfinished))
