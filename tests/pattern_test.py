@@ -423,3 +423,19 @@ def test_gpt_pattern_decoding_matches_forward():
     logits, cache = step(params, tokens[:, pos:pos + 1], cache, pos)
     decoded.append(logits)
   np.testing.assert_allclose(jnp.concatenate(decoded, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_benchmark_script_quick(tmp_path):
+  """benchmarks/mixed_layers.py runs (--quick) and reports what the README reads."""
+  from benchmarks import mixed_layers  # pylint: disable=g-import-not-at-top
+  result = mixed_layers.main(["--quick", "--results_dir", str(tmp_path), "--no_plot"])
+  summary = result["summary"]
+  assert summary["values_and_gradients"]["met"] is True
+  assert summary["values_and_gradients"]["cases"] == 1
+  assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
+  # The 3-layer stack has no whole period, the 6-layer one has one: exact
+  # memory slopes only come with whole periods (the full run: 12, 24, 48).
+  assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
+  kv = summary["kv_cache"]
+  assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
+  assert (tmp_path / "mixed_layers.json").exists()
