@@ -336,7 +336,8 @@ def build_parser():
   p.add_argument("--eval_every", type=int, default=250, help="nanoGPT's eval_interval")
   p.add_argument("--eval_batches", type=int, default=200, help="nanoGPT's eval_iters")
   p.add_argument("--window", type=int, default=10, help="steps per timing window")
-  p.add_argument("--remat", default="none", help="train.py's --remat")
+  p.add_argument("--remat", default="full",
+                 help="train.py's --remat (full, its default, is the fastest here)")
   p.add_argument("--train_flags", default="", help="more flags for train.py, e.g. '--unroll=1'")
   p.add_argument("--num_layers", type=int, default=4)
   p.add_argument("--num_heads", type=int, default=4)

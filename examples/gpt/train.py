@@ -7,8 +7,9 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
   python examples/gpt/train.py --remat=auto --memory_budget=8MiB   # planned
 
-Logs step, train and validation loss, tokens/s and step time, and at start-up
-the compiled temp memory of the train step (which is what --remat changes).
+Logs step, train and validation loss, tokens/s and step time (of training
+alone: evaluation and checkpoints are left out), and at start-up the compiled
+temp memory of the train step (which is what --remat changes).
 Writes metrics.jsonl and loss.png (with matplotlib installed) to --workdir,
 each atomically (with --remat=auto also remat_plan.json: the report of every
 candidate and the chosen plan), and Orbax checkpoints to --workdir/checkpoints/<step>/
