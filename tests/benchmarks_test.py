@@ -137,8 +137,16 @@ def test_remat_plan_quick(tmp_path):
     assert set(b["fitting"]) == {n for n, t in temp.items() if t <= b["budget_bytes"]}
     # Compiled under the plan: the chosen candidate's memory, within the budget.
     assert b["within_budget"] and b["chosen_temp_bytes"] == temp[b["chosen"]]
-    assert _positive_number(b["ratio"]) and _positive_number(b["ratio_cpu"])
-    assert isinstance(b["met"], bool) and b["rank"] >= 1
+    # Paired by round against every fitting candidate, the chosen one included.
+    assert b["ratio"] >= 1.0 and b["ratio_cpu"] >= 1.0
+    assert b["fastest_fitting"] in b["fitting"] and b["rank_by_median"] >= 1
+    assert isinstance(b["met"], bool) and isinstance(b["met_cpu"], bool)
+    assert b["ratio_ci95"][0] <= b["ratio"] <= b["ratio_ci95"][1]
+    assert _positive_number(b["copy_ratio"]) and b["verdict"] in (
+        "met", "missed, within noise", "missed")
+  # The chosen step, compiled explicitly and under the plan, timed side by side.
+  assert set(depth["identical_programs"]) == {b["chosen"] for b in budgets}
+  assert all(_positive_number(c["ratio"]) for c in depth["identical_programs"].values())
   planning = depth["planning"]
   for key in ("report_seconds", "compile_all_seconds", "one_compile_seconds"):
     assert _positive_number(planning[key]), key

@@ -1,0 +1,506 @@
+"""Does remat="auto" choose well? The planner's choice against every candidate, per budget.
+
+For a gradient step of the benchmark GPT block stacked L times with
+``remat="auto"``, at each depth:
+
+1. ``st.remat_report(step, params, x, measure=True)`` compiles and times every
+   candidate (each alias, each tagged name and both together, per-depth mixes
+   of none/full and full/nested); its wall time is the planning cost.
+2. Every candidate is compiled again with its remat passed explicitly
+   (``st.Stacked(..., remat=<candidate>)``), which checks the report's temp
+   bytes and gives one compile's cost.
+3. For budgets 10%, 25%, 50% and 75% of the way from ``full``'s temp memory
+   to ``none``'s, ``st.RematPlan.from_report(report, budget=...,
+   by_time=True)`` chooses; the step is compiled under the plan
+   (``jax.jit(plan.wrap(step))``) and its temp memory checked against the
+   budget.
+4. Every candidate is re-timed side by side: ``--rounds`` rounds, each timing
+   every candidate once, in an order that alternates direction every round.
+   The chosen plan's step time is compared with every candidate that fits
+   the same budget, as the median over rounds of the per-round ratio (on the
+   wall clock, and in process CPU time); the largest of these ratios, against
+   the fastest fitting candidate, must be at most 1.05.
+
+Beside each choice, the planner's ``by_time=False`` choice (fewest FLOPs
+counted from the jaxpr): what it picks where time follows FLOPs.
+
+  python benchmarks/remat_plan.py              # full run, ~6 min on 2 quiet cores
+  python benchmarks/remat_plan.py --quick      # seconds (the smoke test)
+  python benchmarks/remat_plan.py --depths 16 --rounds 5 --only none full nested
+
+Writes ``benchmarks/results/remat_plan.json`` and ``remat_plan.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import haiku as hk  # pylint: disable=wrong-import-position
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+import stacktools as st  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import instruments  # pylint: disable=wrong-import-position
+from benchmarks import models  # pylint: disable=wrong-import-position
+
+NAME = "remat_plan"
+MiB = 2 ** 20
+#: Budgets, as fractions of the way from full's temp memory to none's.
+FRACTIONS = (0.10, 0.25, 0.50, 0.75)
+#: The chosen plan's step time over the fastest fitting candidate's, at most.
+TARGET = 1.05
+KINDS = ("alias", "named", "mix none/full", "mix full/nested")
+
+
+def kind_of(label: str) -> str:
+  """Which family a candidate label belongs to (for the plot and tables)."""
+  if label.startswith("save:"):
+    return "named"
+  if label.startswith("none:"):
+    return "mix none/full"
+  if ":" in label:
+    return "mix full/nested"
+  return "alias"
+
+
+def gradient_step(cfg: models.ModelConfig, num_layers: int, remat: Any):
+  """``(loss, init)`` and the un-jitted gradient step of a stack with ``remat``."""
+  block = models.make_block(cfg)
+  model = hk.without_apply_rng(hk.transform(lambda x: jnp.mean(jnp.square(
+      st.Stacked(block, num_layers, remat=remat, name="h").fold(x)))))
+  return model, jax.value_and_grad(model.apply)
+
+
+def numpy_params(model: hk.Transformed, x: jax.Array, seed: int = 0):
+  """Parameters of the right shapes, drawn in numpy: nothing compiles.
+
+  As ``contenders.Contender.synthetic_params``: LayerNorm scales ones,
+  offsets and biases zeros, weights ``normal / sqrt(fan_in)``.
+  """
+  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    last = jax.tree_util.keystr(path[-1:])
+    if "scale" in last:
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if "offset" in last or "'b'" in last:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    fan_in = leaf.shape[-2] if len(leaf.shape) >= 2 else 1
+    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def load() -> list[float]:
+  """The 1, 5 and 15 minute load averages (the machine is shared)."""
+  try:
+    return [round(v, 2) for v in os.getloadavg()]
+  except OSError:
+    return []
+
+
+def retime(compiled: dict[str, Any], params, x, rounds: int, warmup_rounds: int):
+  """Wall and CPU seconds per step of every candidate, interleaved in rounds."""
+  names = list(compiled)
+  wall = {n: [] for n in names}
+  cpu = {n: [] for n in names}
+  for r in range(-warmup_rounds, rounds):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      (w0, c0) = instruments.clocks()
+      instruments.block(compiled[name](params, x))
+      (w1, c1) = instruments.clocks()
+      if r >= 0:
+        wall[name].append(w1 - w0)
+        cpu[name].append(c1 - c0)
+    if r >= 0:
+      fastest = min(names, key=lambda n: wall[n][-1])
+      harness.log(f"  round {r}: fastest {fastest} {wall[fastest][-1] * 1e3:.0f} ms, "
+                  f"load {load()[:1]}")
+  return wall, cpu
+
+
+def copy_name(label: str) -> str:
+  """The name of ``label``'s step compiled under a plan, timed beside it."""
+  return f"{label} [under the plan]"
+
+
+def round_ratio(a: list[float], b: list[float]) -> float:
+  """The median over rounds of ``a[r] / b[r]``."""
+  return float(np.median(np.asarray(a) / np.asarray(b)))
+
+
+def paired_max(chosen: np.ndarray, others: np.ndarray) -> np.ndarray:
+  """``max_c median_r(chosen[r] / others[c, r])`` over the last axis of rounds,
+  for a batch of resamples: ``chosen [..., R]``, ``others [..., C, R]``."""
+  return np.max(np.median(chosen[..., None, :] / others, axis=-1), axis=-1)
+
+
+def judge(budget: int, chosen: str, temp: dict[str, int], wall, cpu,
+          copy: str) -> dict[str, Any]:
+  """The chosen plan against the fastest candidate that fits ``budget``.
+
+  Paired by round: against each fitting candidate, the median over rounds of
+  ``chosen / candidate`` in the same round (a slow drift in the machine's
+  load cancels); the fastest fitting candidate is the one this ratio is
+  largest against (the chosen plan itself fits, so the ratio is >= 1). The
+  same statistic for ``copy``, the same program compiled under the plan,
+  shows what noise alone does to it.
+  """
+  fitting = [n for n in temp if temp[n] <= budget]
+  out: dict[str, Any] = {"fitting": fitting}
+  rng = np.random.default_rng(0)
+  for times, suffix in ((wall, ""), (cpu, "_cpu")):
+    paired = {n: round_ratio(times[chosen], times[n]) for n in fitting}
+    fastest = max(paired, key=paired.get)
+    med = {n: instruments.median(times[n]) for n in fitting}
+    rounds = len(times[chosen])
+    picks = rng.integers(0, rounds, size=(2000, rounds))
+    others = np.asarray([times[n] for n in fitting])
+    boot = paired_max(np.asarray(times[chosen])[picks], others[:, picks].transpose(1, 0, 2))
+    copy_ratio = float(paired_max(np.asarray(times[copy]), others))
+    out.update({f"fastest_fitting{suffix}": fastest, f"ratio{suffix}": paired[fastest],
+                f"ratio{suffix}_ci95": [float(v) for v in np.percentile(boot, [2.5, 97.5])],
+                f"copy_ratio{suffix}": copy_ratio,
+                f"fastest_fitting{suffix}_s": med[fastest], f"chosen{suffix}_s": med[chosen],
+                f"fastest_by_median{suffix}": min(fitting, key=med.get),
+                f"ratio_of_medians{suffix}": med[chosen] / min(med.values()),
+                f"rank_by_median{suffix}": sorted(fitting, key=med.get).index(chosen) + 1})
+    out[f"met{suffix}"] = paired[fastest] <= TARGET
+    out[f"verdict{suffix}"] = ("met" if paired[fastest] <= TARGET else
+                               "missed, within noise" if copy_ratio > TARGET or
+                               out[f"ratio{suffix}_ci95"][0] <= TARGET else "missed")
+  return out
+
+
+def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
+  """Report, choose under every budget, re-time, check: one depth."""
+  harness.log(f"L={num_layers}: load {load()}")
+  x = models.example_input(cfg)
+  auto_model, auto_step = gradient_step(cfg, num_layers, "auto")
+  params = numpy_params(auto_model, x)
+
+  start = time.perf_counter()
+  report = st.remat_report(auto_step, params, x, measure=True, repeats=args.repeats,
+                           only=args.only)
+  report_s = time.perf_counter() - start
+  (key,) = [s.key for s in report.stacks]
+  rows = {r.plan[key]: r for r in report.rows}
+  harness.log(f"L={num_layers}: remat_report, {len(rows)} candidates, {report_s:.1f} s\n"
+              f"{report}")
+
+  # Each candidate with its remat passed explicitly: a second, independent
+  # compile (temp bytes must equal the report's), and the executables to time.
+  compiled, compile_s, temp = {}, {}, {}
+  for label, remat in report.remats[key].items():
+    step = jax.jit(gradient_step(cfg, num_layers, remat)[1])
+    t0 = time.perf_counter()
+    compiled[label] = step.lower(params, x).compile()
+    compile_s[label] = time.perf_counter() - t0
+    temp[label] = int(compiled[label].memory_analysis().temp_size_in_bytes)
+    instruments.block(compiled[label](params, x))
+  mismatched = {n: [temp[n], rows[n].temp_bytes] for n in temp
+                if temp[n] != rows[n].temp_bytes}
+
+  budgets, plan_compiles, copies = [], {}, {}
+  low, high = temp["full"], temp["none"]
+  for fraction in args.fractions:
+    budget = int(low + fraction * (high - low))
+    plan = st.RematPlan.from_report(report, budget=budget, by_time=True)
+    label = plan.labels[key]
+    if label not in plan_compiles:
+      # The step as a user compiles it under the plan. plan.wrap gives a fresh
+      # function: `with plan: jax.jit(auto_step)` would reuse the trace that
+      # jit cached for auto_step under the first plan.
+      t0 = time.perf_counter()
+      under_plan = jax.jit(plan.wrap(auto_step)).lower(params, x).compile()
+      plan_compiles[label] = (int(under_plan.memory_analysis().temp_size_in_bytes),
+                              time.perf_counter() - t0)
+      instruments.block(under_plan(params, x))
+      copies[copy_name(label)] = under_plan
+    by_flops = st.RematPlan.from_report(report, budget=budget, by_time=False)
+    budgets.append({"fraction": fraction, "budget_bytes": budget, "chosen": label,
+                    "chosen_kind": kind_of(label),
+                    "chosen_temp_bytes": plan_compiles[label][0],
+                    "within_budget": plan_compiles[label][0] <= budget,
+                    "report_step_s": rows[label].step_time_s,
+                    "chosen_by_flops": by_flops.labels[key],
+                    "chosen_by_flops_temp_bytes": rows[by_flops.labels[key]].temp_bytes})
+    harness.log(f"L={num_layers} budget {fraction:.0%} ({budget / MiB:.1f} MiB): "
+                f"{label} ({plan_compiles[label][0] / MiB:.1f} MiB); "
+                f"fewest FLOPs: {by_flops.labels[key]}")
+
+  harness.log(f"L={num_layers}: re-timing {len(compiled)} candidates and "
+              f"{len(copies)} compiled under a plan, {args.rounds} rounds")
+  wall, cpu = retime({**compiled, **copies}, params, x, args.rounds, args.warmup_rounds)
+  for entry in budgets:
+    entry.update(judge(entry["budget_bytes"], entry["chosen"], temp, wall, cpu,
+                       copy_name(entry["chosen"])))
+  # Identical programs: the chosen candidate compiled explicitly and under the plan.
+  controls = {n: {"ratio": round_ratio(wall[n], wall[copy_name(n)]),
+                  "ratio_cpu": round_ratio(cpu[n], cpu[copy_name(n)]),
+                  "median_s": instruments.median(wall[copy_name(n)])}
+              for n in plan_compiles}
+
+  candidates = []
+  for label, row in rows.items():
+    candidates.append({
+        "label": label, "kind": kind_of(label), "temp_bytes": temp[label],
+        "report_temp_bytes": row.temp_bytes, "flops": row.flops,
+        "xla_flops": row.xla_flops, "bytes_accessed": row.bytes_accessed,
+        "report_step_s": row.step_time_s, "compile_s": compile_s[label],
+        "median_s": instruments.median(wall[label]),
+        "median_cpu_s": instruments.median(cpu[label]),
+        "wall_s": wall[label], "cpu_s": cpu[label]})
+  one = instruments.median(compile_s.values())   # a typical single compile
+  return {
+      "num_layers": num_layers, "stack": key, "candidates": candidates,
+      "budgets": budgets, "temp_full_bytes": low, "temp_none_bytes": high,
+      "report_temp_mismatches": mismatched,
+      "identical_programs": controls,
+      "noise_floor": max(abs(c["ratio"] - 1) for c in controls.values()),
+      "noise_floor_cpu": max(abs(c["ratio_cpu"] - 1) for c in controls.values()),
+      "planning": {
+          "report_seconds": report_s,
+          "report_compile_seconds": report.compile_seconds,
+          "candidates": len(rows),
+          "compile_all_seconds": sum(compile_s.values()),
+          "one_compile_seconds": one,
+          "plan_compile_seconds": {n: c[1] for n, c in plan_compiles.items()},
+          "report_over_one_compile": report_s / one,
+          "compile_all_over_one_compile": sum(compile_s.values()) / one,
+      },
+      "load": load(),
+  }
+
+
+def summarise(depths: list[dict[str, Any]]) -> dict[str, Any]:
+  entries = [(d["num_layers"], b) for d in depths for b in d["budgets"]]
+  return {
+      "all_within_budget": all(b["within_budget"] for _, b in entries),
+      "all_met": all(b["met"] for _, b in entries),
+      "all_met_cpu": all(b["met_cpu"] for _, b in entries),
+      "target": TARGET,
+      "worst_ratio": max(b["ratio"] for _, b in entries),
+      "worst_ratio_cpu": max(b["ratio_cpu"] for _, b in entries),
+      "misses": [f"L={n} {b['fraction']:.0%}: {b['chosen']} {b['ratio']:.3f}x "
+                 f"{b['fastest_fitting']} ({b['verdict']})" for n, b in entries
+                 if not b["met"]],
+      "misses_cpu": [f"L={n} {b['fraction']:.0%}: {b['chosen']} {b['ratio_cpu']:.3f}x "
+                     f"{b['fastest_fitting_cpu']} ({b['verdict_cpu']})" for n, b in entries
+                     if not b["met_cpu"]],
+      "noise_floor": {str(d["num_layers"]): [d["noise_floor"], d["noise_floor_cpu"]]
+                      for d in depths},
+      "over_budget": [f"L={n} {b['fraction']:.0%}: {b['chosen']}" for n, b in entries
+                      if not b["within_budget"]],
+      "chosen": {str(d["num_layers"]): {f"{b['fraction']:.0%}": b["chosen"]
+                                        for b in d["budgets"]} for d in depths},
+      "report_temp_mismatches": {str(d["num_layers"]): d["report_temp_mismatches"]
+                                 for d in depths if d["report_temp_mismatches"]},
+  }
+
+
+def markdown(payload: dict[str, Any]) -> str:
+  lines = []
+  for depth in payload["depths"]:
+    n = depth["num_layers"]
+    by = {c["label"]: c for c in depth["candidates"]}
+    lines.append(f"**L={n}**: full {depth['temp_full_bytes'] / MiB:.1f} MiB, none "
+                 f"{depth['temp_none_bytes'] / MiB:.1f} MiB; {len(by)} candidates")
+    lines.append("")
+    lines.append("| budget | chosen plan | temp MiB | step ms | fastest fitting (ms) "
+                 "| ratio: wall | cpu | same program under the plan: wall | cpu "
+                 "| fewest FLOPs (temp MiB) |")
+    lines.append("|---|---|---:|---:|---|---:|---:|---:|---:|---|")
+    for b in depth["budgets"]:
+      ratio, ratio_cpu = (_ratio_cell(b["ratio"], b["ratio_ci95"]),
+                          _ratio_cell(b["ratio_cpu"], b["ratio_cpu_ci95"]))
+      lines.append(
+          f"| {b['fraction']:.0%}: {b['budget_bytes'] / MiB:.1f} MiB | {b['chosen']} "
+          f"| {b['chosen_temp_bytes'] / MiB:.1f} | {b['chosen_s'] * 1e3:.0f} "
+          f"| {b['fastest_fitting']} ({b['fastest_fitting_s'] * 1e3:.0f}) | {ratio} "
+          f"| {ratio_cpu} | {b['copy_ratio']:.3f} | {b['copy_ratio_cpu']:.3f} "
+          f"| {b['chosen_by_flops']} "
+          f"({b['chosen_by_flops_temp_bytes'] / MiB:.1f}) |")
+    p = depth["planning"]
+    lines.append("")
+    lines.append(f"Planning: remat_report(measure=True) took {p['report_seconds']:.1f} s "
+                 f"for {p['candidates']} candidates; compiling them all took "
+                 f"{p['compile_all_seconds']:.1f} s against {p['one_compile_seconds']:.2f} s "
+                 f"for one, the median candidate ({p['compile_all_over_one_compile']:.1f}x; "
+                 f"the whole report {p['report_over_one_compile']:.1f}x).")
+    lines.append("")
+    pairs = ", ".join(f"{n}: wall {c['ratio']:.3f}, cpu {c['ratio_cpu']:.3f}"
+                      for n, c in depth["identical_programs"].items())
+    lines.append(f"Noise: the chosen step, compiled explicitly over compiled under the plan "
+                 f"(the same program), median of the per-round ratios: {pairs}.")
+    lines.append("")
+  lines.append(f"Ratio: the median over {payload['config']['rounds']} rounds of the chosen "
+               "plan's step time over the fastest fitting candidate's in the same round "
+               "(fastest: the one this ratio is largest against; on the CPU clock it can "
+               "be another), [its bootstrap 95% interval]; **bold**: above "
+               f"{TARGET}. *Same program under the plan*: the same statistic for the "
+               "chosen plan's step compiled under the plan (an identical program, timed "
+               "beside it): what noise alone gives.")
+  return "\n".join(lines)
+
+
+def _ratio_cell(ratio: float, ci95: list[float]) -> str:
+  text = f"{ratio:.3f} [{ci95[0]:.3f}, {ci95[1]:.3f}]"
+  return text if ratio <= TARGET else f"**{text}**"
+
+
+COLORS = {"alias": "tab:blue", "named": "tab:green", "mix none/full": "tab:red",
+          "mix full/nested": "tab:purple"}
+
+
+def _frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The lowest y reachable with at most x: a step line through the points."""
+  out, best = [], float("inf")
+  for x, y in sorted(points):
+    if y < best:
+      if out:
+        out.append((x, best))
+      out.append((x, y))
+      best = y
+  return out
+
+
+def draw(payload: dict[str, Any]):
+  depths = payload["depths"]
+
+  def fig_fn(plt):
+    fig, axes = plt.subplots(2, len(depths), figsize=(7.5 * len(depths), 11.5),
+                             squeeze=False)
+    handles = {}
+    for col, depth in enumerate(depths):
+      cands = depth["candidates"]
+      mem = {c["label"]: c["temp_bytes"] / MiB for c in cands}
+      for row, (key, ylabel, choose) in enumerate((
+          ("wall_s", "step time: median over the interleaved rounds, bars p25-p75 (ms)",
+           "chosen"),
+          ("flops", "GFLOPs per step (counted from the jaxpr)", "chosen_by_flops"))):
+        ax = axes[row][col]
+        if key == "wall_s":
+          value = {c["label"]: 1e3 * c["median_s"] for c in cands}
+          spread = {c["label"]: 1e3 * np.percentile(c["wall_s"], [25, 75]) for c in cands}
+        else:
+          value = {c["label"]: 1e-9 * c["flops"] for c in cands}
+          spread = None
+        for kind in KINDS:
+          names = [c["label"] for c in cands if c["kind"] == kind]
+          if not names:
+            continue
+          xs, ys = [mem[n] for n in names], [value[n] for n in names]
+          if spread:
+            err = np.array([[value[n] - spread[n][0], spread[n][1] - value[n]]
+                            for n in names]).T
+            ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=COLORS[kind], alpha=0.4,
+                        zorder=2)
+          handles[kind] = ax.scatter(xs, ys, color=COLORS[kind], s=30, zorder=3)
+        for n in mem:
+          ax.annotate(n, (mem[n], value[n]), fontsize=6, xytext=(4, -8),
+                      textcoords="offset points", alpha=0.8)
+        front = _frontier(list(zip(mem.values(), value.values())))
+        (handles["frontier: the best with at most this memory"],) = ax.plot(
+            *zip(*front), "-", color="gray", alpha=0.5, zorder=1)
+        rings: dict[str, list[str]] = {}
+        for i, b in enumerate(depth["budgets"]):
+          color = f"C{i + 4}"
+          handles[f"budget at {b['fraction']:.0%} of the way from full to none"] = (
+              ax.axvline(b["budget_bytes"] / MiB, color=color, linestyle="--",
+                         linewidth=1))
+          ax.scatter([mem[b[choose]]], [value[b[choose]]], s=150 + 110 * i,
+                     facecolors="none", edgecolors=color, linewidths=1.5, zorder=4)
+          rings.setdefault(b[choose], []).append(f"{b['fraction']:.0%}")
+        for n, fractions in rings.items():
+          ax.annotate("chosen at " + ", ".join(fractions), (mem[n], value[n]),
+                      fontsize=7, fontweight="bold", xytext=(8, 8),
+                      textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("compiled temp memory of one gradient step (MiB)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        what = ("rings: chosen by measured time (by_time=True)" if row == 0
+                else "rings: chosen by fewest FLOPs (by_time=False)")
+        ax.set_title(f"{payload['config']['model_config']['kind']} "
+                     f"L={depth['num_layers']}: every candidate; {what}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    # Below the bottom-left panel: tight_layout makes room for an axes' legend.
+    axes[-1][0].legend(list(handles.values()), list(handles), loc="upper left",
+                       bbox_to_anchor=(0.0, -0.13), ncol=3, fontsize=8, frameon=False)
+    return fig
+
+  return fig_fn
+
+
+def build_parser():
+  p = harness.parser(__doc__)
+  p.add_argument("--depths", type=harness.int_list, default=[32, 64])
+  p.add_argument("--fractions", type=lambda s: [float(v) for v in s.split(",")],
+                 default=list(FRACTIONS),
+                 help="budgets, as fractions of the way from full's temp bytes to none's")
+  p.add_argument("--only", nargs="+", default=None,
+                 help="candidate labels to report (default: every candidate); must "
+                      "include none and full, which set the budgets")
+  p.add_argument("--repeats", type=int, default=5,
+                 help="timed runs per candidate in remat_report (after one warm-up)")
+  p.add_argument("--rounds", type=int, default=31, help="interleaved re-timing rounds")
+  p.add_argument("--warmup_rounds", type=int, default=1)
+  p.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
+                 help="the benchmark block (mlp: for --quick, it compiles faster)")
+  p.add_argument("--width", type=int, default=64)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq_len", type=int, default=64)
+  p.add_argument("--heads", type=int, default=4)
+  return p
+
+
+QUICK = ["--model", "mlp", "--depths", "2", "--only", "none", "full", "none:1,full:1",
+         "--repeats", "1", "--rounds", "3", "--warmup_rounds", "0", "--width", "16",
+         "--batch", "8"]
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+  args = harness.parse_args(build_parser, QUICK, argv)
+  if args.only is not None and not {"none", "full"} <= set(args.only):
+    raise SystemExit("--only must include none and full: they set the budgets.")
+  cfg = models.model_config(args)
+  start = time.perf_counter()
+  load_before = load()
+  depths = [run_depth(args, cfg, n) for n in args.depths]
+  payload = {
+      "question": __doc__.strip().splitlines()[0],
+      "command": harness.command_line(),
+      "quick": args.quick,
+      "config": {
+          "model_config": cfg.describe(), "depths": args.depths,
+          "fractions": args.fractions, "only": args.only, "repeats": args.repeats,
+          "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "target": TARGET,
+          "step": f"jax.value_and_grad(mean(st.Stacked({args.model}, L, "
+                  "remat='auto').fold(x)**2))",
+          "budget": "temp(full) + fraction * (temp(none) - temp(full)), in bytes",
+          "choice": "st.RematPlan.from_report(report, budget=..., by_time=True)",
+          "ratio": "max over fitting candidates c of the median over rounds of "
+                   "chosen / c in the same round; every candidate timed once per "
+                   "round, direction alternating",
+      },
+      "depths": depths,
+      "summary": summarise(depths),
+      "load_before": load_before,
+      "load_after": load(),
+      "seconds": time.perf_counter() - start,
+  }
+  return harness.publish(args, NAME, payload, markdown, draw)
+
+
+if __name__ == "__main__":
+  main()
