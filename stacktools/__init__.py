@@ -11,6 +11,8 @@ from stacktools.loops import nested_split
 from stacktools.loops import scan
 from stacktools.params import stack_params
 from stacktools.params import unstack_params
+from stacktools.pipeline import Pipeline
+from stacktools.pipeline import schedule as pipeline_schedule
 from stacktools.plan import plan_remat
 from stacktools.plan import RematPlan
 from stacktools.policy import checkpoint_name
@@ -34,6 +36,7 @@ __all__ = (
     "PerDepth",
     "PerKind",
     "PerLayer",
+    "Pipeline",
     "REMAT_ALIASES",
     "RematPlan",
     "RematReport",
@@ -48,6 +51,7 @@ __all__ = (
     "per_depth",
     "per_kind",
     "per_layer",
+    "pipeline_schedule",
     "plan_remat",
     "remat_report",
     "scan",

@@ -1,4 +1,4 @@
-"""Sharding rules for stacked parameters: keep the Layers axis whole.
+"""Sharding rules for stacked parameters: keep the Layers axis whole, or pipeline it.
 
 A :class:`Stacked` parameter has a leading Layers axis that ``lax.scan``
 slices one layer at a time. Sharding that axis across devices would make
@@ -10,6 +10,15 @@ whole. Parameters outside any stack follow the same rule over all their axes.
 The rule reads the Haiku module name of each leaf from its path, so it works
 on parameters and equally on optimizer states that hold parameter-shaped
 trees (``optax`` moments), whose paths end in the same ``[module][name]``.
+
+A pipelined stack (``Stacked(..., pipeline=st.Pipeline(...))``) is the one
+exception: its Layers axis is split over the pipe mesh axis, so each stage
+keeps its own layers (and their optimizer state) and nothing else. Contiguous
+blocks of layers are what a ``gpipe`` stage runs, so a gpipe step moves no
+parameters; a ``circular`` stage runs every P-th chunk of layers, which a
+PartitionSpec of the plain ``[num_layers, ...]`` array cannot express, so a
+circular step regroups the stack's parameters (and their gradients) with one
+all-to-all over the pipe axis each way.
 """
 
 from __future__ import annotations
@@ -77,7 +86,9 @@ def fsdp_spec(shape: Sequence[int], layer_axes: int, fsdp_size: int,
 def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = None, *,
                             stacked: Sequence[str] = (),
                             fsdp_axis: Optional[str] = None,
-                            fsdp_size: Optional[int] = None) -> PyTree:
+                            fsdp_size: Optional[int] = None,
+                            pipelined: Sequence[str] = (),
+                            pipe_axis: str = "pipe") -> PyTree:
   """PartitionSpecs for Haiku parameters (or optimizer state) with stacks.
 
   Example::
@@ -99,16 +110,43 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
       axis of ``mesh``. By default ``"fsdp"`` when the mesh has such an axis,
       and no sharding (everything replicated) when it does not.
     fsdp_size: the shard count, when no mesh is given.
+    pipelined: the full names of pipelined stacks (a subset of ``stacked``,
+      or added to it): their Layers axis is split over ``pipe_axis``, one
+      block of layers per stage, and FSDP applies to their other axes.
+    pipe_axis: the mesh axis of the pipeline's stages (``st.Pipeline.axis``).
+
+  Example, pipelined::
+
+    mesh = jax.make_mesh((4, 2), ("pipe", "fsdp"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    specs = st.stacked_partition_specs(params, mesh, stacked=["model/h"],
+                                       pipelined=["model/h"])
+    # model/h/block/fc/w [L, d, 4d]: PartitionSpec('pipe', None, 'fsdp')
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tree``.
 
   Raises:
-    ValueError: for an ``fsdp_axis`` that the mesh lacks, or a name in
-      ``stacked`` that no leaf of ``tree`` lies under.
+    ValueError: for an ``fsdp_axis`` or ``pipe_axis`` that the mesh lacks, a
+      name in ``stacked`` that no leaf of ``tree`` lies under, or a
+      pipelined stack whose depth the pipe axis does not divide.
   """
   if isinstance(stacked, str):
     stacked = (stacked,)
+  if isinstance(pipelined, str):
+    pipelined = (pipelined,)
+  stacked = tuple(stacked) + tuple(p for p in pipelined if p not in stacked)
+  pipe_size = 1
+  if pipelined:
+    if mesh is None or pipe_axis not in dict(mesh.shape):
+      axes = list(dict(mesh.shape)) if mesh is not None else None
+      raise ValueError(
+          f"stacked_partition_specs: pipelined={list(pipelined)} puts their Layers "
+          f"axis on the {pipe_axis!r} mesh axis, but the mesh "
+          f"{'is missing' if mesh is None else f'has axes {axes}'}. Pass a mesh "
+          f"with a {pipe_axis!r} axis (e.g. jax.make_mesh((4, 2), ({pipe_axis!r}, "
+          "'data'))), or pipe_axis= the axis the st.Pipeline uses.")
+    pipe_size = int(dict(mesh.shape)[pipe_axis])
   if fsdp_size is None:
     if mesh is None:
       raise ValueError("stacked_partition_specs needs a mesh or fsdp_size=.")
@@ -133,7 +171,21 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
           f"{module}/{keys[-1]} has shape {tuple(shape)}, which has fewer than the "
           f"{layer_axes} Layers axes its stacks {list(stacked)} imply; check "
           "stacked=.")
-    return fsdp_spec(shape, layer_axes, fsdp_size, fsdp_axis)
+    base = fsdp_spec(shape, layer_axes, fsdp_size, fsdp_axis)
+    pipe = [p for p in pipelined if num_layer_axes(module, [p])]
+    if not pipe:
+      return base
+    # The pipelined stack's own Layers axis: after those of the stacks around it.
+    axis = num_layer_axes(pipe[0], [s for s in stacked if s != pipe[0]])
+    if shape[axis] % pipe_size:
+      raise ValueError(
+          f"stacked_partition_specs: {module}/{keys[-1]} has {shape[axis]} layers "
+          f"on axis {axis}, which the {pipe_axis!r} axis of size {pipe_size} does not "
+          f"divide; a pipelined stack needs num_layers to be a multiple of the "
+          "number of stages (times the circular schedule's repeats).")
+    out = list(base) + [None] * (len(shape) - len(base))
+    out[axis] = pipe_axis
+    return PartitionSpec(*out)
 
   return jax.tree_util.tree_map_with_path(spec, tree)
 

@@ -28,6 +28,7 @@ from stacktools import _checks
 from stacktools import _layers
 from stacktools import loops
 from stacktools import periods
+from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -37,8 +38,14 @@ PyTree = Any
 def run_stacked(inner: hk.TransformedWithState, x: PyTree,
                 arguments: _layers.BlockArguments, *, num_layers: int, kind: str,
                 remat: segments_lib.Remat, unroll: Union[int, bool],
-                reverse: bool, owner: str) -> tuple[PyTree, PyTree]:
-  """Inits (vmapped) and applies (scanned) a stack; call inside a module."""
+                reverse: bool, owner: str,
+                pipeline: Optional[pipeline_lib.Pipeline] = None) -> tuple[PyTree, PyTree]:
+  """Inits (vmapped) and applies (scanned) a stack; call inside a module.
+
+  With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
+  the layers as that pipeline; init (never differentiated, never split) runs
+  them as a plain scan.
+  """
   keys = _layers.draw_layer_keys(num_layers)
   indices = jnp.arange(num_layers, dtype=jnp.int32)
   params, state, updater = _layers.lift_layers(inner, keys.init, x,
@@ -49,6 +56,21 @@ def run_stacked(inner: hk.TransformedWithState, x: PyTree,
 
   layers = _layers.LayerSlice(params=params, state=state, rng=keys.apply,
                               sliced=arguments.sliced, index=indices)
+  stages = pipeline.stages() if pipeline is not None else 1
+  if stages > 1 and not hk.running_init():
+    pipeline.check(num_layers, stages, owner)
+    segments = segments_lib.segments_for(remat, num_layers, owner=owner)
+    if len(segments) > 1:
+      raise ValueError(
+          f"{owner}: a pipelined stack runs every stage with one checkpoint "
+          f"policy, but remat gives {len(segments)} per-depth segments. Pass one "
+          "policy (e.g. remat='full' or 'nested'), or run without a pipeline.")
+    x, ys, new_state = pipeline_lib.run(
+        body, x, pipeline_lib.StageLayers(*layers), _layers.LayerSlice,
+        pipeline=pipeline, stages=stages, policy=segments[0].policy,
+        unroll=unroll, owner=owner)
+    updater.update(new_state)
+    return x, ys
   x, results = loops.scan(body, length=num_layers, remat=remat, unroll=unroll,
                           reverse=reverse)(x, layers)
   updater.update(results.state)
@@ -106,16 +128,23 @@ class Stacked(_layers.StackModule):
       and per kind (``{kind: ys}``, each in kind order) otherwise; ``True``
       always per kind (e.g. caches that go back in through
       :func:`per_kind`); ``False`` always in layer order.
+    pipeline: an :class:`st.Pipeline`: under a mesh with its axis (size P >
+      1), the layers run as P pipeline stages over microbatches of the
+      batch; without one, as a plain stack. The parameters are the plain
+      stack's either way.
     name: the module name.
   """
 
   def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, unroll: Union[int, bool] = 1,
                reverse: bool = False, pattern: Optional[Sequence[str]] = None,
-               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
+               ys_by_kind: Optional[bool] = None,
+               pipeline: Optional[pipeline_lib.Pipeline] = None,
+               name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
                      pattern=pattern, ys_by_kind=ys_by_kind, name=name)
     self.unroll = _checks.check_unroll(unroll, type(self).__name__)
+    self.pipeline = _check_pipeline(pipeline, pattern, reverse)
 
   @_layers.StackModule.layer_scope
   def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
@@ -127,7 +156,28 @@ class Stacked(_layers.StackModule):
           owner=type(self).__name__)
     return run_stacked(inner, x, arguments, num_layers=self.num_layers,
                        kind=kind, remat=self.remat_now(), unroll=self.unroll,
-                       reverse=self.reverse, owner=type(self).__name__)
+                       reverse=self.reverse, owner=type(self).__name__,
+                       pipeline=self.pipeline)
+
+
+def _check_pipeline(pipeline: Any, pattern: Any,
+                    reverse: bool) -> Optional[pipeline_lib.Pipeline]:
+  if pipeline is None:
+    return None
+  if not isinstance(pipeline, pipeline_lib.Pipeline):
+    raise TypeError(
+        f"Stacked: pipeline must be an st.Pipeline, got {_checks.describe(pipeline)}; "
+        "e.g. pipeline=st.Pipeline(axis='pipe', microbatches=8).")
+  if pattern is not None:
+    raise ValueError(
+        "Stacked: a stack with pattern= cannot be pipelined yet (its kinds have "
+        "different parameter trees, and a stage holds one tree). Pipeline a "
+        "stack of one block, or drop pipeline=.")
+  if reverse:
+    raise ValueError(
+        "Stacked: reverse=True cannot be pipelined: the stages run the layers "
+        "first to last. Reverse the block order yourself, or drop pipeline=.")
+  return pipeline
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,363 @@
+"""Pipeline parallelism over a stack's Layers axis: GPipe and circular schedules.
+
+Under a mesh with a ``pipe`` axis of size P, a pipelined :class:`Stacked`
+splits its layers into P stages, one per device along that axis, and the
+batch into M microbatches that move from stage to stage with
+``lax.ppermute``, inside one ``jax.shard_map`` that is manual over the pipe
+axis alone (data and FSDP axes stay with the compiler).
+
+* ``gpipe``: stage ``s`` holds layers ``[s*L/P, (s+1)*L/P)``; a microbatch
+  passes each stage once.
+* ``circular`` with ``repeats=R``: the layers are cut into ``R*P`` chunks of
+  ``K = L/(R*P)`` and stage ``s`` holds chunks ``s, P+s, 2P+s, ...``; a
+  microbatch loops over the stages R times, so the pipeline's fill and drain
+  (its bubble) is shared by R times as much work.
+
+Both run one schedule (:func:`schedule`): at tick ``t`` stage ``s`` works on
+iteration ``j = t - s`` (repeat ``j // M``, microbatch ``j % M``) when
+``0 <= j < R*M``. Stage 0 reads microbatch inputs from a buffer of all M;
+what leaves the last stage goes back into that buffer (the input of the
+microbatch's next repeat, or its output after the last), which is why a
+circular schedule needs ``M >= P``. Every stage computes every tick (SPMD):
+a tick outside the schedule is the bubble, computed and discarded.
+
+The parameter tree stays the plain stack's (a leading ``num_layers`` axis),
+so checkpoints move between pipelined and plain runs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from stacktools import _checks
+from stacktools import loops
+from stacktools import policy as policy_lib
+
+PyTree = Any
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """How a :class:`Stacked` runs its layers as a pipeline over a mesh axis.
+
+  Example::
+
+    mesh = jax.make_mesh((4, 2), ("pipe", "data"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    blocks = st.Stacked(Block, num_layers=32, remat="full", name="h",
+                        pipeline=st.Pipeline(axis="pipe", microbatches=8,
+                                             schedule="circular", repeats=2))
+    with jax.set_mesh(mesh):
+      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+
+  Without a ``pipe`` axis in the mesh (no mesh, or one of size 1) the stack
+  runs as a plain stack: one model definition serves both.
+
+  Attributes:
+    axis: the mesh axis that holds the stages.
+    microbatches: M, how many pieces the batch (the carry's leading axis) is
+      cut into; each moves through the stages on its own.
+    schedule: ``"gpipe"`` (one pass over contiguous stages) or
+      ``"circular"`` (``repeats`` passes over interleaved stages).
+    repeats: R, for ``circular``: how many chunks of layers each stage
+      holds. ``gpipe`` takes 1.
+    mesh: the mesh to pipeline over; by default the one set with
+      ``jax.set_mesh`` when the step is traced.
+  """
+
+  axis: str = "pipe"
+  microbatches: int = 1
+  schedule: str = "gpipe"
+  repeats: int = 1
+  mesh: Optional[jax.sharding.Mesh] = None
+
+  def __post_init__(self):
+    if not isinstance(self.axis, str) or not self.axis:
+      raise TypeError(f"st.Pipeline: axis must be a mesh axis name (a string, e.g. "
+                      f"'pipe'), got {_checks.describe(self.axis)}.")
+    for field in ("microbatches", "repeats"):
+      value = _checks.as_int(getattr(self, field))
+      if value is None or value < 1:
+        raise ValueError(f"st.Pipeline: {field} must be an integer >= 1, got "
+                         f"{_checks.describe(getattr(self, field))}.")
+      object.__setattr__(self, field, value)
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"st.Pipeline: schedule={self.schedule!r} is not one of "
+                       f"{list(SCHEDULES)}.")
+    if self.schedule == "gpipe" and self.repeats != 1:
+      raise ValueError(
+          f"st.Pipeline: schedule='gpipe' passes each stage once, so repeats must "
+          f"be 1, got {self.repeats}. For {self.repeats} passes over interleaved "
+          "stages use schedule='circular'.")
+    if self.mesh is not None and self.axis not in self.mesh.shape:
+      raise ValueError(
+          f"st.Pipeline: the mesh given has axes {list(self.mesh.shape)} and no "
+          f"{self.axis!r} axis to place the stages on. Add one (e.g. "
+          f"jax.make_mesh((4, 2), ({self.axis!r}, 'data'))) or pass axis= one of "
+          "its axes.")
+
+  def stages(self) -> int:
+    """P: the size of the pipe axis in the mesh in use (1 without one)."""
+    mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False):
+      return 1
+    names = list(mesh.axis_names)
+    size = int(dict(mesh.shape).get(self.axis, 1))
+    explicit = [n for n, t in zip(names, getattr(mesh, "axis_types", ()) or ())
+                if t == jax.sharding.AxisType.Explicit]
+    if size > 1 and explicit:
+      raise ValueError(
+          f"st.Pipeline: the mesh's axes {explicit} are Explicit (jax.make_mesh's "
+          "default), which the pipeline's shard_map cannot regroup layers on. "
+          "Build the mesh with Auto axes: jax.make_mesh(shape, names, "
+          "axis_types=(jax.sharding.AxisType.Auto,) * len(names)), or "
+          "jax.sharding.Mesh(devices, names).")
+    return size
+
+  def check(self, num_layers: int, stages: int, owner: str = "Stacked") -> int:
+    """Checks the stack's depth against the mesh; returns the layers per chunk."""
+    chunks = stages * self.repeats
+    if num_layers % chunks:
+      fits = [p * self.repeats for p in range(1, num_layers + 1)
+              if num_layers % (p * self.repeats) == 0]
+      raise ValueError(
+          f"{owner}: num_layers={num_layers} cannot be split into {stages} stages "
+          f"x {self.repeats} repeats = {chunks} equal chunks. Make num_layers a "
+          f"multiple of {chunks}, or change the {self.axis!r} axis size or "
+          f"repeats (with repeats={self.repeats}, stages x repeats may be "
+          f"{fits}).")
+    if self.schedule == "circular" and self.microbatches < stages:
+      raise ValueError(
+          f"{owner}: a circular schedule needs at least as many microbatches as "
+          f"stages (a microbatch must be back at the first stage before its next "
+          f"repeat), got microbatches={self.microbatches} for {stages} stages. "
+          f"Use microbatches >= {stages}, or schedule='gpipe'.")
+    return num_layers // chunks
+
+
+# ---------------------------------------------------------------------------
+# The schedule, as data: what every stage does at every tick.
+
+
+class Schedule(NamedTuple):
+  """Per ``[tick, stage]``: which microbatch and repeat, and whether any."""
+
+  microbatch: np.ndarray   # int32 [T, P]; 0 where idle
+  repeat: np.ndarray       # int32 [T, P]; 0 where idle
+  busy: np.ndarray         # bool [T, P]
+
+  @property
+  def bubble(self) -> float:
+    """The fraction of stage-ticks in which a stage holds no microbatch."""
+    return float(1.0 - self.busy.mean())
+
+
+def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+  """The tick-by-stage table that the pipeline runs.
+
+  At tick ``t`` stage ``s`` works on iteration ``j = t - s`` when
+  ``0 <= j < repeats * microbatches``: repeat ``j // microbatches`` of
+  microbatch ``j % microbatches``. There are ``repeats * microbatches +
+  stages - 1`` ticks, so the bubble is ``(P-1) / (R*M + P-1)``.
+
+  Example::
+
+    st.pipeline_schedule(4, 8).bubble            # 3 / 11
+    st.pipeline_schedule(4, 8, repeats=2).bubble  # 3 / 19
+
+  Args:
+    stages: P, the pipe axis size.
+    microbatches: M.
+    repeats: R (1 for gpipe).
+
+  Returns:
+    A :class:`Schedule` of ``[ticks, stages]`` arrays.
+  """
+  ticks = repeats * microbatches + stages - 1
+  j = np.arange(ticks)[:, None] - np.arange(stages)[None, :]
+  busy = (j >= 0) & (j < repeats * microbatches)
+  jj = np.where(busy, j, 0)
+  return Schedule(microbatch=(jj % microbatches).astype(np.int32),
+                  repeat=(jj // microbatches).astype(np.int32), busy=busy)
+
+
+# ---------------------------------------------------------------------------
+# Layouts: the plain stack's Layers axis <-> [stage, repeat, layer-in-chunk].
+
+
+def to_stages(tree: PyTree, stages: int, repeats: int) -> PyTree:
+  """``[L, ...] -> [P, R, K, ...]``: stage ``s``, repeat ``r`` holds chunk ``r*P + s``."""
+  def one(a):
+    k = a.shape[0] // (stages * repeats)
+    return jnp.swapaxes(a.reshape((repeats, stages, k) + a.shape[1:]), 0, 1)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def from_stages(tree: PyTree) -> PyTree:
+  """The inverse of :func:`to_stages`: ``[P, R, K, ...] -> [L, ...]``."""
+  def one(a):
+    a = jnp.swapaxes(a, 0, 1)
+    return a.reshape((-1,) + a.shape[3:])
+  return jax.tree_util.tree_map(one, tree)
+
+
+def split_microbatches(tree: PyTree, microbatches: int, owner: str) -> PyTree:
+  """``[B, ...] -> [M, B/M, ...]``, microbatch ``m`` the rows ``m, m+M, ...``.
+
+  Strided rather than contiguous: a batch sharded over a data axis in
+  contiguous blocks keeps every microbatch sharded the same way, with no
+  data movement (``B/M`` must divide by the data axis size).
+  """
+  def one(path, a):
+    if a.ndim == 0 or a.shape[0] % microbatches:
+      raise ValueError(
+          f"{owner}: the pipeline cuts the carry's leading (batch) axis into "
+          f"{microbatches} microbatches, but {_checks.path_str('x', path)} has "
+          f"shape {tuple(a.shape)}. Make the batch size a multiple of "
+          f"microbatches={microbatches} (times the data axis size, when the batch "
+          "is sharded), or change microbatches.")
+    return jnp.swapaxes(a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]),
+                        0, 1)
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def merge_microbatches(tree: PyTree, axis: int = 0) -> PyTree:
+  """The inverse of :func:`split_microbatches`, for ``[..., M, B/M, ...]`` at ``axis``."""
+  def one(a):
+    a = jnp.swapaxes(a, axis, axis + 1)
+    return a.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 2:])
+  return jax.tree_util.tree_map(one, tree)
+
+
+# ---------------------------------------------------------------------------
+# The pipelined loop.
+
+
+class StageLayers(NamedTuple):
+  """What a pipelined stack's loop reads per layer (all ``[L, ...]``)."""
+
+  params: PyTree
+  state: PyTree
+  rng: Optional[jax.Array]
+  sliced: PyTree
+  index: jax.Array
+
+
+def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
+        layers: StageLayers, make_slice: Callable[..., Any], *,
+        pipeline: Pipeline, stages: int, policy: policy_lib.CheckpointPolicy,
+        unroll: Any, owner: str = "Stacked") -> tuple[PyTree, PyTree, PyTree]:
+  """Runs ``body`` over every layer as a pipeline; returns ``(x, ys, state)``.
+
+  Args:
+    body: one layer, ``body(carry, layer_slice) -> (carry, (y, new_state))``.
+    x: the carry, batch-major ``[B, ...]`` in every leaf.
+    layers: every layer's params, state, apply key, per-layer arguments and
+      index, each with a leading ``num_layers`` axis.
+    make_slice: ``make_slice(params, state, rng, sliced, index)`` builds
+      what ``body`` takes for one layer.
+    pipeline: the configuration.
+    stages: P (> 1).
+    policy: the checkpoint policy of every layer.
+    unroll: the stack's unroll, for each stage's scan over its layers.
+    owner: for error messages.
+
+  Returns:
+    ``x`` after the last layer, the stacked ``ys`` (``[L, B, ...]``; ``None``
+    for a fold) and the new per-layer state (``[L, ...]``).
+  """
+  micro, repeats = pipeline.microbatches, pipeline.repeats
+  table = schedule(stages, micro, repeats)
+  axis = pipeline.axis
+  xs = split_microbatches(x, micro, owner)
+  staged = to_stages(layers, stages, repeats)
+  shift = [(s, (s + 1) % stages) for s in range(stages)]
+  ys_shape = None
+
+  def stage_chunk(x_in, chunk, microbatch):
+    """The K layers of one chunk on one microbatch, with the stack's policy."""
+    rng = chunk.rng
+    if rng is not None:   # a fresh key per microbatch, the same on every stage
+      rng = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(rng)
+    per_layer = make_slice(chunk.params, chunk.state, rng, chunk.sliced, chunk.index)
+    return loops.scan(body, remat=policy, unroll=unroll)(x_in, per_layer)
+
+  def probe_ys():
+    first = jax.tree_util.tree_map(lambda a: a[0, 0], staged)
+    x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
+    return jax.eval_shape(lambda c, m: stage_chunk(x0, c, m)[1][0], first, 0)
+
+  ys_shape = probe_ys()
+  mb_size = jax.tree_util.tree_leaves(xs)[0].shape[1]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(ys_shape)[0]:
+    # [K, mb, ...]: each layer's y must be per example to be put back together.
+    if leaf.ndim < 2 or leaf.shape[1] != mb_size:
+      raise ValueError(
+          f"{owner}: under a pipeline each layer's output y is computed per "
+          f"microbatch and put back together along the batch axis, so every leaf "
+          f"must have the batch as its leading axis; "
+          f"{_checks.path_str('y', path)} has per-layer shape {tuple(leaf.shape[1:])} "
+          f"for a microbatch of {mb_size}. Return per-example values (e.g. a "
+          "loss per example, reduced after the stack), or run without a pipeline.")
+
+  def per_device(xs, staged, micro_idx, repeat_idx, busy):
+    stage = lax.axis_index(axis)
+    local = jax.tree_util.tree_map(lambda a: a[0], staged)   # [R, K, ...]
+    zeros_like = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)  # noqa: E731
+    ys_buf = jax.tree_util.tree_map(
+        lambda s: jnp.zeros((repeats,) + s.shape[:1] + (micro,) + s.shape[1:], s.dtype),
+        ys_shape)
+
+    def tick(carry, t):
+      buf, incoming, state, ys_buf = carry
+      m, r, ok = micro_idx[t, stage], repeat_idx[t, stage], busy[t, stage]
+      first = jax.tree_util.tree_map(lambda b: b[m], buf)
+      x_in = jax.tree_util.tree_map(lambda a, b: jnp.where(stage == 0, a, b),
+                                    first, incoming)
+      chunk = jax.tree_util.tree_map(lambda a: a[r], local._replace(state=state))
+      x_out, (ys, new_state) = stage_chunk(x_in, chunk, m)
+      state = jax.tree_util.tree_map(
+          lambda old, new: old.at[r].set(jnp.where(ok, new, old[r])), state, new_state)
+      ys_buf = jax.tree_util.tree_map(
+          lambda b, y: b.at[r, :, m].set(jnp.where(ok, y, b[r, :, m])), ys_buf, ys)
+      sent = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, shift), x_out)
+      # What the last stage finished this tick arrives at stage 0: the input
+      # of its microbatch's next repeat, or its output after the last.
+      m_last, ok_last = micro_idx[t, stages - 1], busy[t, stages - 1]
+      keep = ok_last & (stage == 0)
+      buf = jax.tree_util.tree_map(
+          lambda b, v: b.at[m_last].set(jnp.where(keep, v, b[m_last])), buf, sent)
+      return (buf, sent, state, ys_buf), None
+
+    init = (xs, zeros_like(jax.tree_util.tree_map(lambda a: a[0], xs)), local.state,
+            ys_buf)
+    (buf, _, state, ys_buf), _ = lax.scan(tick, init, jnp.arange(micro_idx.shape[0]))
+    # Only stage 0's buffer holds the outputs; the sum hands them to every stage.
+    out = jax.tree_util.tree_map(
+        lambda b: lax.psum(jnp.where(stage == 0, b, jnp.zeros_like(b)), axis), buf)
+    expand = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
+    return out, expand(state), expand(ys_buf)
+
+  spec = PartitionSpec(axis)
+  mapped = jax.shard_map(
+      per_device, mesh=pipeline.mesh,
+      in_specs=(PartitionSpec(), spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+      out_specs=(PartitionSpec(), spec, spec), axis_names=frozenset({axis}),
+      check_vma=False)
+  out, state, ys = mapped(xs, staged, jnp.asarray(table.microbatch),
+                          jnp.asarray(table.repeat), jnp.asarray(table.busy))
+  new_x = merge_microbatches(out)
+  new_state = from_stages(state)
+  # [P, R, K, M, mb, ...] -> [L, M, mb, ...] -> [L, B, ...]
+  ys = merge_microbatches(from_stages(ys), axis=1) if ys_shape is not None else None
+  return new_x, ys, new_state
