@@ -4,8 +4,10 @@ Training runs on JAX's own SPMD runtime: one ``jax.jit`` whose inputs and
 outputs carry ``NamedSharding``s over a ``Mesh`` with a ``data`` axis (the
 batch is split over it) and an ``fsdp`` axis (parameters and optimizer state
 are split over it, FSDP-style, by ``st.stacked_partition_specs``, which keeps
-the stacked Layers axis whole). Several processes join through
-``jax.distributed``; on CPU they talk through gloo.
+the stacked Layers axis whole), and optionally a ``pipe`` axis: the stages of
+a pipelined stack (``st.Pipeline``), over which that stack's Layers axis is
+split instead. Several processes join through ``jax.distributed``; on CPU
+they talk through gloo.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import stacktools as st
 
-MESH_AXES = ("data", "fsdp")
+# Outermost first: a pipe axis (present only when --mesh names it) puts
+# consecutive stages on consecutive blocks of devices, so the stages of a
+# multi-process run sit on as few hosts each as can be, and only the
+# activations that pass from stage to stage cross between them.
+MESH_AXES = ("pipe", "data", "fsdp")
+PIPE = "pipe"
 # The stacks in the GPT model: st.Stacked(name="h") at the top level.
 STACKED = ("h",)
 
@@ -32,7 +39,10 @@ class SetupError(ValueError):
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
   """``"data:4,fsdp:2"`` -> ``{"data": 4, "fsdp": 2}``, checked.
 
-  An empty spec puts every device on ``data``. An axis left out has size 1.
+  An empty spec puts every device on ``data``. A ``data`` or ``fsdp`` axis
+  left out has size 1; a ``pipe`` axis is in the result only when the spec
+  names it (``"pipe:4,data:2"`` -> ``{"pipe": 4, "data": 2, "fsdp": 1}``),
+  so a mesh without one stays the two-axis mesh it always was.
 
   Raises:
     SetupError: a spec that does not parse, names an unknown axis, repeats
@@ -46,7 +56,7 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
     if not sep or not size.strip().isdigit() or int(size) < 1:
       raise SetupError(
           f"--mesh={spec!r} does not parse: write axis:size pairs separated by "
-          "commas, e.g. --mesh=data:4,fsdp:2.")
+          "commas, e.g. --mesh=data:4,fsdp:2 or --mesh=pipe:4,data:2.")
     name = name.strip()
     if name not in MESH_AXES:
       raise SetupError(f"--mesh={spec!r} names the axis {name!r}; the axes are "
@@ -54,7 +64,8 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
     if name in sizes:
       raise SetupError(f"--mesh={spec!r} gives the axis {name!r} twice.")
     sizes[name] = int(size)
-  sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+  sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES
+           if axis != PIPE or axis in sizes}
   if math.prod(sizes.values()) != num_devices:
     raise SetupError(
         f"--mesh={spec!r} has {math.prod(sizes.values())} devices but there are "
@@ -76,14 +87,27 @@ def device_count() -> int:
 
 
 def make_mesh(sizes: dict[str, int]) -> Mesh:
-  """A mesh over all devices (of every process), data-major."""
-  shape = tuple(sizes[axis] for axis in MESH_AXES)
-  devices = np.asarray(jax.devices()).reshape(shape)
-  return Mesh(devices, MESH_AXES)
+  """A mesh over all devices (of every process), outermost axis first.
+
+  The axes are ``sizes``' in the order of :data:`MESH_AXES` (pipe, data,
+  fsdp). ``jax.sharding.Mesh`` makes them ``Auto`` axes, which a pipelined
+  stack's ``shard_map`` needs (it is manual over the pipe axis alone).
+  """
+  names = tuple(axis for axis in MESH_AXES if axis in sizes)
+  devices = np.asarray(jax.devices()).reshape(tuple(sizes[axis] for axis in names))
+  return Mesh(devices, names)
+
+
+def pipe_size(mesh: Mesh) -> int:
+  """The size of the mesh's pipe axis; 1 without one."""
+  return int(dict(mesh.shape).get(PIPE, 1))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Rows of a batch split over ``data``, replicated over ``fsdp``."""
+  """Rows of a batch split over ``data``, replicated over ``fsdp`` and ``pipe``.
+
+  A pipelined stack cuts each data shard into microbatches itself.
+  """
   return NamedSharding(mesh, PartitionSpec("data"))
 
 
@@ -91,9 +115,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def tree_shardings(mesh: Mesh, tree: Any) -> Any:
-  """FSDP shardings of params or optimizer state (shapes are enough)."""
-  specs = st.stacked_partition_specs(tree, mesh, stacked=STACKED)
+def tree_shardings(mesh: Mesh, tree: Any, pipelined: bool = False) -> Any:
+  """FSDP shardings of params or optimizer state (shapes are enough).
+
+  Args:
+    mesh: from :func:`make_mesh`.
+    tree: parameters, optimizer state, or their ``jax.eval_shape``.
+    pipelined: whether the model's stack runs as a pipeline over the mesh's
+      pipe axis: then its Layers axis is split over that axis (each stage
+      holds its own layers and their optimizer state). The tree itself is
+      the same either way, so checkpoints move between plain and pipelined
+      runs.
+  """
+  specs = st.stacked_partition_specs(tree, mesh, stacked=STACKED,
+                                     pipelined=STACKED if pipelined else (),
+                                     pipe_axis=PIPE)
   return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
 
 

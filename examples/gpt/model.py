@@ -7,8 +7,11 @@ The blocks come in two flavours, chosen by ``GPTConfig.block``:
 
 * ``"fold"``: a block returns the new residual stream, and the stack folds it.
 * ``"scan"``: a block returns ``(x, stats)``, with per-layer numbers worth
-  watching (attention entropy, size of the residual update); the stack
-  returns them stacked on a leading Layers axis.
+  watching (attention entropy, size of the residual update), one per
+  sequence; the stack returns them stacked on a leading Layers axis, and
+  :func:`forward` averages them over the batch. (Per sequence because a
+  pipelined stack runs each microbatch of sequences on its own and puts the
+  outputs back together along the batch axis.)
 
 The same block, given a per-layer KV cache through ``st.per_layer``, returns
 ``(x, new_cache)``: that is how :func:`decode` generates token by token.
@@ -23,6 +26,11 @@ layer, passed per kind with ``st.per_kind``.
 The attention and MLP intermediates are named with ``st.checkpoint_name``
 (``attn_out``, ``attn_probs``, ``mlp_hidden``, ``mlp_out``) so a policy can
 keep them.
+
+``GPTConfig.pipeline`` (an ``st.Pipeline``) runs the stack as a pipeline
+whenever the step is traced under a mesh with that pipeline's axis (``with
+jax.set_mesh(mesh)``), and as a plain stack otherwise (init, sampling); the
+parameters are the same either way.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ class GPTConfig:
       period, one letter per layer: ``L`` (sliding-window attention) or ``G``
       (full attention), e.g. ``"LLLG"``.
     window: how many positions (its own included) an ``L`` layer attends to.
+    pipeline: an ``st.Pipeline`` for the stack (``stack="scan"``, no
+      pattern), or ``None``. Not part of the model's shape: checkpoints
+      leave it out, and a pipelined run resumes a plain one's and back.
   """
 
   vocab_size: int
@@ -77,6 +88,7 @@ class GPTConfig:
   unroll: int = 1
   pattern: str = ""
   window: int = 0
+  pipeline: Optional[st.Pipeline] = None
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -97,6 +109,10 @@ class GPTConfig:
       raise ValueError(f"window={self.window} is the span of L layers, but "
                        f"pattern={self.pattern!r} has none; drop the window or "
                        "add L layers to the pattern.")
+    if self.pipeline is not None and (self.stack != "scan" or self.pattern):
+      raise ValueError(f"pipeline= needs stack='scan' and no pattern (got stack="
+                       f"{self.stack!r}, pattern={self.pattern!r}): a pipeline "
+                       "splits the layers of one st.Stacked of one block.")
 
   def kind_count(self, letter: str) -> int:
     """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""
@@ -206,15 +222,20 @@ class Block(hk.Module):
 
 
 def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str, jax.Array]:
-  """Per-layer numbers for a scan block: what the layer did to the stream."""
-  entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
-  update = jnp.linalg.norm(x_out - x_in, axis=-1)
+  """Per-layer numbers for a scan block: what the layer did to the stream.
+
+  One number per sequence (``[B]``), which :func:`forward` averages over
+  the batch after the stack: every sequence has as many positions, heads and
+  queries, so that is the mean over the whole batch.
+  """
+  entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)  # [B, H, T]
+  update = jnp.linalg.norm(x_out - x_in, axis=-1)  # [B, T]
   stream = jnp.linalg.norm(x_in, axis=-1)
   return {
       # Mean entropy (nats) of each query's attention distribution.
-      "attn_entropy": jnp.mean(entropy),
+      "attn_entropy": jnp.mean(entropy, axis=(1, 2)),
       # How much the block changed the residual stream, relative to its size.
-      "update_ratio": jnp.mean(update / jnp.maximum(stream, 1e-6)),
+      "update_ratio": jnp.mean(update / jnp.maximum(stream, 1e-6), axis=1),
   }
 
 
@@ -229,6 +250,8 @@ def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None):
     make_block, config = (lambda: Block(cfg)), {}
   if cfg.stack == "unrolled":   # a Python loop: nothing to unroll further
     return st.BlockSeq(make_block, cfg.num_layers, remat=cfg.remat, name="h", **config)
+  if cfg.pipeline is not None:
+    config["pipeline"] = cfg.pipeline
   return st.Stacked(make_block, cfg.num_layers, remat=cfg.remat,
                     unroll=cfg.unroll, name="h", **config)
 
@@ -259,6 +282,8 @@ def forward(cfg: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, Optional[dict
     x = stack.fold(x)
   else:
     x, stats = stack.scan(x)
+    # [num_layers, B] -> [num_layers]: the batch's mean for each layer.
+    stats = jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1), stats)
   return _head(cfg, x), stats
 
 

@@ -6,6 +6,9 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
   python examples/gpt/train.py --remat=auto --memory_budget=8MiB   # planned
+  # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
+      --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8
 
 Logs step, train and validation loss, tokens/s and step time (of training
 alone: evaluation and checkpoints are left out), and at start-up the compiled
@@ -119,8 +122,26 @@ _SAMPLE_TOKENS = flags.DEFINE_integer(
     lower_bound=0)
 _SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "def ", "Prompt for the sample.")
 _MESH = flags.DEFINE_string(
-    "mesh", "", "Device mesh as axis:size pairs over the axes data (batch) and "
-    "fsdp (parameters), e.g. data:4,fsdp:2; default: every device on data.")
+    "mesh", "", "Device mesh as axis:size pairs over the axes pipe (pipeline "
+    "stages, with --pipeline), data (batch) and fsdp (parameters), e.g. "
+    "data:4,fsdp:2 or pipe:4,data:2; default: every device on data.")
+_PIPELINE = flags.DEFINE_enum(
+    "pipeline", "none", ("none", "gpipe", "circular"),
+    "Run the block stack as a pipeline over the mesh's pipe axis: gpipe (each "
+    "stage holds a contiguous block of layers) or circular (each stage holds "
+    "--pipeline_repeats interleaved chunks, a smaller bubble). Needs a pipe "
+    "axis in --mesh; a pipe axis larger than 1 needs a pipeline. none: no "
+    "pipeline.")
+_MICROBATCHES = flags.DEFINE_integer(
+    "microbatches", None, "With --pipeline: the pieces each step's batch is cut "
+    "into, which move through the stages one after another; --batch_size must "
+    "divide by it times the data axis, and circular needs at least the pipe "
+    "axis size. Default: the pipe axis size.", lower_bound=1)
+_PIPELINE_REPEATS = flags.DEFINE_integer(
+    "pipeline_repeats", None, "With --pipeline=circular: how many chunks of "
+    "layers each stage holds (a microbatch passes the stages this many times); "
+    "--num_layers must divide by it times the pipe axis. Default: 1.",
+    lower_bound=1)
 _COORDINATOR_ADDRESS = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, for --num_processes > 1.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run.",
@@ -195,6 +216,37 @@ def _check_nested_outer(f: dict[str, Any]) -> bool:
 
 
 flags.register_multi_flags_validator(["nested_outer", "num_layers"], _check_nested_outer)
+
+
+def _check_pipeline(f: dict[str, Any]) -> bool:
+  # What the flags alone rule out; what needs the mesh is checked in set_up.
+  pipeline = f["pipeline"]
+  if pipeline == "none":
+    given = [name for name in ("microbatches", "pipeline_repeats") if f[name] is not None]
+    if given:
+      raise flags.ValidationError(
+          f"--{' and --'.join(given)} need --pipeline=gpipe or circular (and a "
+          "pipe axis in --mesh, e.g. --mesh=pipe:4,data:2).")
+    return True
+  if pipeline == "gpipe" and f["pipeline_repeats"] not in (None, 1):
+    raise flags.ValidationError(
+        f"--pipeline_repeats={f['pipeline_repeats']} needs --pipeline=circular: a "
+        "gpipe stage holds one contiguous block of layers.")
+  if f["stack"] != "scan" or f["pattern"]:
+    raise flags.ValidationError(
+        f"--pipeline={pipeline} splits the layers of one st.Stacked of one block: "
+        "it needs --stack=scan and no --pattern.")
+  remat = f["remat"]
+  if remat == "auto" or ":" in remat:
+    raise flags.ValidationError(
+        f"--pipeline={pipeline} runs every stage with one checkpoint policy: pass "
+        f"--remat as one of {', '.join(REMAT_CHOICES)} (not {remat}).")
+  return True
+
+
+flags.register_multi_flags_validator(
+    ["pipeline", "microbatches", "pipeline_repeats", "stack", "pattern", "remat"],
+    _check_pipeline)
 flags.register_validator(
     "pattern", lambda p: set(p) <= set(model_lib.KINDS),
     message="--pattern takes the letters L (sliding-window attention) and G (full "
@@ -283,6 +335,59 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
     files.atomic_write(os.path.join(workdir, "remat_plan.json"),
                        lambda f: f.write(text), mode="w")
   return dataclasses.replace(cfg, remat=chosen)
+
+
+def make_pipeline(mesh_sizes: dict[str, int], mesh_spec: str, num_layers: int,
+                  batch_size: int) -> Optional[st.Pipeline]:
+  """The ``st.Pipeline`` that --pipeline asks for, checked against the mesh.
+
+  Exits with one line when the mesh and the flags do not fit together: a
+  pipeline without a pipe axis, a pipe axis larger than 1 without a pipeline
+  (it would only replicate the work; refused rather than made a gpipe, so
+  that the schedule and --microbatches are always chosen, never guessed),
+  layers that the stages x repeats do not divide, a batch that the
+  microbatches x data axis do not divide, or a circular schedule with fewer
+  microbatches than stages.
+
+  Args:
+    mesh_sizes: from ``distributed.parse_mesh``.
+    mesh_spec: --mesh as given, for the messages.
+    num_layers: --num_layers.
+    batch_size: --batch_size.
+
+  Returns:
+    The pipeline, or ``None`` for --pipeline=none.
+  """
+  kind, pipe = _PIPELINE.value, mesh_sizes.get(distributed.PIPE)
+  if kind == "none":
+    if pipe is not None and pipe > 1:
+      sys.exit(f"error: --mesh={mesh_spec!r} has a pipe axis of {pipe}, which only a "
+               "pipeline uses: pass --pipeline=gpipe or --pipeline=circular (and "
+               "--microbatches), or leave the pipe axis out of --mesh.")
+    return None
+  if pipe is None:
+    sys.exit(f"error: --pipeline={kind} places its stages on a pipe axis, which is "
+             f"missing from --mesh={mesh_spec!r}; add one, e.g. "
+             "--mesh=pipe:4,data:2 (the sizes multiply to the device count).")
+  repeats = _PIPELINE_REPEATS.value or 1
+  microbatches = _MICROBATCHES.value or pipe
+  if num_layers % (pipe * repeats):
+    sys.exit(f"error: --num_layers={num_layers} is not divisible by the pipe axis "
+             f"({pipe}) x --pipeline_repeats ({repeats}) = {pipe * repeats}: each "
+             "stage holds --pipeline_repeats chunks of as many layers. Change "
+             "--num_layers, the pipe axis or --pipeline_repeats.")
+  if kind == "circular" and microbatches < pipe:
+    sys.exit(f"error: --pipeline=circular needs --microbatches at least the pipe axis "
+             f"({pipe}), got {microbatches}: a microbatch must be back at the first "
+             f"stage before its next repeat. Pass --microbatches>={pipe}, or "
+             "--pipeline=gpipe.")
+  data = mesh_sizes["data"]
+  if batch_size % (microbatches * data):
+    sys.exit(f"error: --batch_size={batch_size} is not divisible by --microbatches "
+             f"({microbatches}) x the mesh's data axis ({data}) = {microbatches * data}; "
+             "each microbatch of each data shard needs the same number of sequences.")
+  return st.Pipeline(axis=distributed.PIPE, microbatches=microbatches, schedule=kind,
+                     repeats=repeats)
 
 
 def make_optimizer(steps: int) -> optax.GradientTransformation:
@@ -460,6 +565,7 @@ def set_up(argv) -> Run:
     sys.exit(f"error: --batch_size={_BATCH_SIZE.value} is not divisible by the "
              f"mesh's data axis ({mesh_sizes['data']}); each data shard needs "
              "the same number of sequences.")
+  pipeline = make_pipeline(mesh_sizes, _MESH.value, _NUM_LAYERS.value, _BATCH_SIZE.value)
   is_chief = jax.process_index() == 0
   dataset = load_data()
   check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
@@ -477,7 +583,7 @@ def set_up(argv) -> Run:
       num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
       d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
       remat=policy, unroll=_UNROLL.value, pattern=_PATTERN.value,
-      window=_WINDOW.value if "L" in _PATTERN.value else 0)
+      window=_WINDOW.value if "L" in _PATTERN.value else 0, pipeline=pipeline)
   steps = _STEPS.value
   last_step = steps if _STOP_AFTER.value is None else _STOP_AFTER.value
   logging.info("Corpus: %d training and %d validation characters, %d symbols; "
@@ -501,8 +607,11 @@ def set_up(argv) -> Run:
   init_key = jax.random.PRNGKey(_SEED.value)
   param_shapes = jax.eval_shape(model.init, init_key, sampler_peek(sampler))
   opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-  param_shardings = distributed.tree_shardings(mesh, param_shapes)
-  opt_shardings = distributed.tree_shardings(mesh, opt_shapes)
+  # A pipelined stack's Layers axis is split over the pipe axis: each stage
+  # holds its own layers (and their AdamW moments). Same tree as a plain run.
+  pipelined = pipeline is not None
+  param_shardings = distributed.tree_shardings(mesh, param_shapes, pipelined)
+  opt_shardings = distributed.tree_shardings(mesh, opt_shapes, pipelined)
   # Every process joins; the first start after a kill removes the step
   # folder that the killed save left unfinished.
   try:
@@ -537,6 +646,14 @@ def set_up(argv) -> Run:
                num_params, dict(mesh.shape), jax.device_count(), jax.process_count(),
                distributed.per_device_bytes(params) / 1024,
                distributed.per_device_bytes(opt_state) / 1024)
+  if pipeline is not None:
+    stages = distributed.pipe_size(mesh)
+    table = st.pipeline_schedule(stages, pipeline.microbatches, pipeline.repeats)
+    logging.info("Pipeline: %s over %d stages x %d repeats, %d microbatches of %d "
+                 "sequences, %d layers per stage and repeat; bubble %.1f%% of "
+                 "stage-ticks.", pipeline.schedule, stages, pipeline.repeats,
+                 pipeline.microbatches, _BATCH_SIZE.value // pipeline.microbatches,
+                 cfg.num_layers // (stages * pipeline.repeats), 100 * table.bubble)
 
   if cfg.remat == "auto":
     example_batch = distributed.put_global(sampler_peek(sampler), batch_sharding)
@@ -546,12 +663,15 @@ def set_up(argv) -> Run:
   train_step = make_train_step(model, optimizer)
 
   replicated = distributed.replicated(mesh)
-  compiled_step = jax.jit(
-      train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
-      out_shardings=(param_shardings, opt_shardings, replicated, replicated),
-  ).lower(params, opt_state,
-          jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
-                               sharding=batch_sharding)).compile()
+  # Traced under the mesh: a pipelined stack reads its pipe axis from it (and
+  # runs as a plain stack where there is none).
+  with jax.set_mesh(mesh):
+    compiled_step = jax.jit(
+        train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, replicated, replicated),
+    ).lower(params, opt_state,
+            jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
+                                 sharding=batch_sharding)).compile()
   memory = compiled_step.memory_analysis()
   logging.info("Train step: compiled temp memory %.2f MiB (remat=%s%s, stack=%s, block=%s).",
                memory.temp_size_in_bytes / 2**20, remat_text(cfg.remat),
@@ -560,14 +680,17 @@ def set_up(argv) -> Run:
   eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
 
   def evaluate(params) -> float:
-    return float(np.mean([eval_loss(params, b) for b in eval_batches]))
+    with jax.set_mesh(mesh):   # traced on the first call: see the train step
+      return float(np.mean([eval_loss(params, b) for b in eval_batches]))
 
   def save_checkpoint(step, params, opt_state):
     # A collective: every process writes its own shards, in the background.
+    # The config is the model's shape; how its layers run (remat, pipeline)
+    # is not, so a checkpoint resumes under any of them.
     checkpoints.save(step, params, opt_state, {
         "sampler_state": sampler.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                   if f.name != "remat"},
+                   if f.name not in ("remat", "pipeline")},
         "chars": dataset.chars})
 
   if is_chief:
