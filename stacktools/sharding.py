@@ -144,8 +144,8 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
           f"stacked_partition_specs: pipelined={list(pipelined)} puts their Layers "
           f"axis on the {pipe_axis!r} mesh axis, but the mesh "
           f"{'is missing' if mesh is None else f'has axes {axes}'}. Pass a mesh "
-          f"with a {pipe_axis!r} axis (e.g. jax.make_mesh((4, 2), ({pipe_axis!r}, "
-          "'data'))), or pipe_axis= the axis the st.Pipeline uses.")
+          f"with a {pipe_axis!r} axis (e.g. jax.sharding.Mesh(devices.reshape(4, 2), "
+          f"({pipe_axis!r}, 'data'))), or pipe_axis= the axis the st.Pipeline uses.")
     pipe_size = int(dict(mesh.shape)[pipe_axis])
   if fsdp_size is None:
     if mesh is None:

@@ -1,0 +1,221 @@
+"""Tests for stacktools/pipeline.py: pipelined stacks against the plain stack.
+
+The multi-device cases need 8 virtual CPU devices, which must be set before
+JAX starts, so they run once, together, in a subprocess
+(tests/pipeline_cases.py) that writes every difference to a JSON file; the
+tests here assert on it. The reference there is the same model's plain stack
+on one device, ``remat="none"``. What needs no devices (the schedule, the
+layouts, partition specs on an abstract mesh, the plain fallback, the
+constructor's checks) runs here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import stacktools as st
+from stacktools import pipeline as pipeline_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+  out = tmp_path_factory.mktemp("pipeline") / "cases.json"
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+  subprocess.run([sys.executable, str(ROOT / "tests" / "pipeline_cases.py"), str(out)],
+                 check=True, env=env, cwd=ROOT, timeout=1200)
+  results = json.loads(out.read_text())
+  for name, value in results.items():
+    assert "crashed" not in value, f"{name} crashed:\n{value['crashed']}"
+  return results
+
+
+# ---------------------------------------------------------------------------
+# Multi-device: loss, gradients, outputs and state against the plain stack.
+
+
+def test_every_mesh_schedule_and_microbatch_count_matches_the_plain_stack(cases):
+  equality = cases["equality"]
+  assert len(equality) == 12
+  for name, case in equality.items():
+    if name == "pipe:8 circular M=4":   # 4 microbatches cannot fill 8 stages twice
+      assert "at least as many microbatches as stages" in case["error"]
+      continue
+    assert case["loss_allclose"] and case["grads_allclose"], (name, case)
+    assert case["grad_max_rel"] < 1e-5, (name, case)
+
+
+def test_each_stage_holds_one_pth_of_the_parameters(cases):
+  for name, case in cases["equality"].items():
+    if "error" in case:
+      continue
+    # Every leaf of the test block divides by the FSDP size, so all of it shards.
+    assert case["param_fraction"] == pytest.approx(1 / (case["stages"] * case["fsdp"])), name
+    if "gpipe" in name:   # gradients come out where their layers live
+      assert case["grad_fraction"] == pytest.approx(case["param_fraction"]), name
+
+
+def test_every_checkpoint_policy_runs_inside_the_stages(cases):
+  remat = cases["remat"]
+  assert set(remat) == set(st.REMAT_ALIASES) | {"nested2"}
+  for name, case in remat.items():
+    assert "error" not in case, (name, case)
+    assert case["loss_allclose"] and case["grads_allclose"], (name, case)
+
+
+def test_scan_block_with_per_layer_and_broadcast_arguments(cases):
+  scan = cases["scan"]
+  assert scan["ys_shape"] == scan["ref_ys_shape"] == [8, 16, 4]
+  assert scan["x_allclose"] and scan["ys_allclose"]
+  assert scan["loss_allclose"] and scan["grads_allclose"]
+
+
+def test_state_is_updated_once_per_microbatch_in_order(cases):
+  state = cases["state"]
+  assert state["calls"] == [4] * 8     # 4 microbatches through each of 8 layers
+  assert state["out_allclose"] and state["state_allclose"]
+
+
+def test_rng_differs_per_layer_and_per_microbatch_and_is_reproducible(cases):
+  rng = cases["rng"]
+  assert rng["per_layer_distinct"] and rng["per_microbatch_distinct"]
+  assert rng["reproducible"] and rng["key_matters"]
+  assert 0.4 < rng["uniform_mean"] < 0.6
+
+
+@pytest.mark.parametrize("case,phrases", [
+    ("layers_not_divisible", ["num_layers=6", "4 stages", "multiple of 4"]),
+    ("circular_layers_not_divisible", ["num_layers=12", "2 repeats", "multiple of 8"]),
+    ("batch_not_divisible", ["microbatches=3", "(16, 4, 8)", "multiple of"]),
+    ("circular_too_few_microbatches", ["microbatches=2", "4 stages", "gpipe"]),
+    ("per_depth", ["one checkpoint", "2 per-depth segments"]),
+    ("explicit_mesh", ["Explicit", "AxisType.Auto"]),
+    ("specs_without_pipe_axis", ["'pipe'", "['data']"]),
+    ("specs_not_divisible", ["4 layers", "size 8"]),
+    ("ys_without_batch_axis", ["batch as its leading axis", "per-layer shape ()"]),
+])
+def test_mistakes_get_a_clear_error(cases, case, phrases):
+  message = cases["errors"][case]
+  assert message is not None and message.startswith(("ValueError", "TypeError"))
+  for phrase in phrases:
+    assert phrase in message, (phrase, message)
+
+
+# ---------------------------------------------------------------------------
+# No devices needed.
+
+
+@pytest.mark.parametrize("stages,micro,repeats", [
+    (2, 1, 1), (4, 8, 1), (8, 4, 1), (4, 8, 2), (2, 16, 4), (8, 8, 2)])
+def test_schedule_bubble_and_every_microbatch_visits_every_chunk_once(stages, micro, repeats):
+  table = st.pipeline_schedule(stages, micro, repeats)
+  assert table.busy.shape == (repeats * micro + stages - 1, stages)
+  assert table.bubble == pytest.approx((stages - 1) / (repeats * micro + stages - 1))
+  # Walk the table: chunk r*P + s runs microbatch m exactly once, and in
+  # order (chunk c before chunk c + 1), which is what makes it the stack.
+  when = {}
+  for t, s in zip(*np.nonzero(table.busy)):
+    key = (int(table.microbatch[t, s]), int(table.repeat[t, s]) * stages + int(s))
+    assert key not in when
+    when[key] = t
+  assert len(when) == micro * repeats * stages
+  for m in range(micro):
+    ticks = [when[(m, c)] for c in range(repeats * stages)]
+    assert ticks == sorted(ticks) and len(set(ticks)) == len(ticks)
+
+
+def test_stage_layout_round_trips_and_groups_chunks_per_stage():
+  layers = jnp.arange(16)
+  staged = pipeline_lib.to_stages(layers, 4, 2)          # [P, R, K]
+  assert staged.shape == (4, 2, 2)
+  # Stage 1 holds chunk 1 (layers 2, 3) and chunk 5 (layers 10, 11).
+  np.testing.assert_array_equal(staged[1], [[2, 3], [10, 11]])
+  np.testing.assert_array_equal(pipeline_lib.from_stages(staged), layers)
+  batch = jnp.arange(12)
+  micro = pipeline_lib.split_microbatches(batch, 4, "test")
+  np.testing.assert_array_equal(micro[1], [1, 5, 9])
+  np.testing.assert_array_equal(pipeline_lib.merge_microbatches(micro), batch)
+
+
+def _block(x):
+  return x + hk.Linear(x.shape[-1])(jnp.tanh(x))
+
+
+def test_without_a_pipe_axis_the_pipelined_stack_is_the_plain_stack():
+  def make(pipeline):
+    return hk.without_apply_rng(hk.transform(lambda x: jnp.sum(st.Stacked(
+        lambda: _block, 4, remat="full", pipeline=pipeline, name="h").fold(x) ** 2)))
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+  plain, piped = make(None), make(st.Pipeline(microbatches=4))
+  params = plain.init(jax.random.PRNGKey(1), x)
+  piped_params = piped.init(jax.random.PRNGKey(1), x)
+  jax.tree.map(np.testing.assert_array_equal, params, piped_params)
+  expected = jax.grad(plain.apply)(params, x)
+  jax.tree.map(np.testing.assert_array_equal, jax.grad(piped.apply)(params, x), expected)
+  # A mesh whose pipe axis has size 1 is no pipeline either.
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("pipe", "data"))
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(piped.apply))(params, x)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+
+
+def test_partition_specs_put_the_layers_axis_on_pipe_and_keep_fsdp():
+  params = {"h/linear": {"w": np.zeros((8, 6, 16)), "b": np.zeros((8, 16))},
+            "h/ln": {"scale": np.zeros((8, 6))},
+            "embed": {"embeddings": np.zeros((10, 6))}}
+  mesh = AbstractMesh((4, 2), ("pipe", "fsdp"))
+  specs = st.stacked_partition_specs(params, mesh, stacked=["h"], pipelined=["h"])
+  assert specs == {"h/linear": {"w": P("pipe", None, "fsdp"), "b": P("pipe", "fsdp")},
+                   "h/ln": {"scale": P("pipe", "fsdp")},
+                   "embed": {"embeddings": P("fsdp", None)}}
+  # Not pipelined: the Layers axis stays whole.
+  plain = st.stacked_partition_specs(params, mesh, stacked=["h"])
+  assert plain["h/linear"]["w"] == P(None, None, "fsdp")
+
+
+def test_nested_stack_pipelines_its_own_layers_axis():
+  params = {"outer/inner/linear": {"w": np.zeros((3, 8, 5))}}
+  mesh = AbstractMesh((4,), ("pipe",))
+  specs = st.stacked_partition_specs(params, mesh, stacked=["outer", "outer/inner"],
+                                     pipelined=["outer/inner"])
+  assert specs["outer/inner/linear"]["w"] == P(None, "pipe", None)
+
+
+@pytest.mark.parametrize("kwargs,phrase", [
+    (dict(microbatches=0), "microbatches must be an integer >= 1"),
+    (dict(schedule="1f1b"), "not one of ['gpipe', 'circular']"),
+    (dict(schedule="gpipe", repeats=2), "use schedule='circular'"),
+    (dict(axis=3), "mesh axis name"),
+])
+def test_pipeline_configuration_errors(kwargs, phrase):
+  with pytest.raises((ValueError, TypeError), match=None) as info:
+    st.Pipeline(**kwargs)
+  assert phrase in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,phrase", [
+    (dict(pattern="AB"), "pattern= cannot be pipelined"),
+    (dict(reverse=True), "reverse=True cannot be pipelined"),
+    (dict(pipeline_obj="x"), "must be an st.Pipeline"),
+])
+def test_stacked_refuses_what_it_cannot_pipeline(kwargs, phrase):
+  pipeline = kwargs.pop("pipeline_obj", st.Pipeline(microbatches=2))
+  make = {"A": lambda: _block, "B": lambda: _block} if "pattern" in kwargs else (lambda: _block)
+
+  def f(x):
+    return st.Stacked(make, 4, pipeline=pipeline, name="h", **kwargs).fold(x)
+  with pytest.raises((ValueError, TypeError)) as info:
+    hk.transform(f).init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
+  assert phrase in str(info.value)
