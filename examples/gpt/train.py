@@ -225,8 +225,9 @@ def _check_pipeline(f: dict[str, Any]) -> bool:
     given = [name for name in ("microbatches", "pipeline_repeats") if f[name] is not None]
     if given:
       raise flags.ValidationError(
-          f"--{' and --'.join(given)} need --pipeline=gpipe or circular (and a "
-          "pipe axis in --mesh, e.g. --mesh=pipe:4,data:2).")
+          f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
+          "--pipeline=gpipe or circular (and a pipe axis in --mesh, e.g. "
+          "--mesh=pipe:4,data:2).")
     return True
   if pipeline == "gpipe" and f["pipeline_repeats"] not in (None, 1):
     raise flags.ValidationError(

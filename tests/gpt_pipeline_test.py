@@ -1,0 +1,418 @@
+"""Tests for training the GPT example as a pipeline (--mesh=pipe:..., --pipeline).
+
+JAX fixes its device count when it starts, so every run here is a
+subprocess with ``--xla_force_host_platform_device_count`` (virtual CPU
+devices), and all of them start together when the module's first test asks
+for them:
+
+* three drivers (:func:`drive`: ``train.main`` in-process under absl's
+  flagsaver, one interpreter for several runs, a private compilation cache):
+  on 1 device the plain reference (scan blocks, so that their per-layer
+  stats are logged); on 8 devices the start-up errors that need a mesh,
+  ``gpipe`` on ``pipe:4,data:2`` with fold blocks, ``circular`` with 2
+  repeats on ``pipe:2,fsdp:2,data:2`` with scan blocks, and one workdir
+  trained plain (``data:8``) to step 7, resumed as a gpipe pipeline to step
+  14 and resumed plain (``data:4,fsdp:2``) to step 20; on 4 devices
+  ``pipe:4`` in one process, the reference of the two-process runs;
+* a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
+  on 127.0.0.1, 2 devices each, ``--mesh=pipe:4``: stages 0-1 in one
+  process, 2-3 in the other, stopped at step 10; then a second pair that
+  resumes their checkpoint to step 20;
+* two command-line runs whose flags are wrong before any device is used.
+
+What is checked, against numbers:
+
+* every pipelined run gives the plain one-device run's per-step training
+  losses and final validation loss to 1e-4 (only the order of float
+  reductions differs; measured: under 1e-6), and scan blocks' per-layer
+  stats come back through the pipeline with the same values;
+* each stage holds only its own layers: the logged parameter bytes per
+  device are under half the model's;
+* a checkpoint moves from a plain run to a pipelined one and back, and the
+  losses go on as if nothing changed;
+* two processes with a pipe axis across them train bit for bit like one
+  process with four devices, and a pair stopped at step 10 and resumed ends
+  bit for bit where the uninterrupted run ends;
+* start-up errors (a pipe axis without --pipeline, --pipeline without a pipe
+  axis, layers or a batch that do not divide, a circular schedule with too
+  few microbatches, pipeline flags with --pipeline=none): one ``error:``
+  line, nothing written.
+
+The runs compile with XLA's cheap settings plus the CPU backend's older
+loop emitters (``--xla_cpu_use_fusion_emitters=false``), which compile the
+pipelined step about three times faster; every run here, reference
+included, uses the same settings.
+
+This file imports no other test module (so its Bazel target needs no extra
+data), and the pytest process itself never imports JAX.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
+FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+            "--xla_cpu_use_fusion_emitters=false")
+STEPS, STOP = 20, 10
+# The tiniest model that 4 stages x 1 and 2 stages x 2 repeats divide; 8
+# sequences: 4 microbatches x a data axis of 2. One record per step;
+# evaluation at the last step only.
+TINY = dict(num_layers=4, d_model=16, num_heads=2, seq_len=16, batch_size=8,
+            steps=STEPS, learning_rate=1e-2, warmup_steps=1, log_every=1,
+            eval_every=1000, eval_batches=1, sample_tokens=0)
+GPIPE = {"mesh": "pipe:4,data:2", "pipeline": "gpipe", "microbatches": 4}
+CIRCULAR = {"mesh": "pipe:2,fsdp:2,data:2", "pipeline": "circular", "microbatches": 4,
+            "pipeline_repeats": 2, "block": "scan"}
+MESH_MP = {"mesh": "pipe:4", "pipeline": "gpipe", "microbatches": 4}
+# The same workdir: plain to step 7, a pipeline to step 14, plain to the end.
+CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 7}),
+         ("chain gpipe", {**GPIPE, "stop_after": 14, "resume": True}),
+         ("chain plain again", {"mesh": "data:4,fsdp:2", "resume": True}))
+# (name, flags, fragments of the one line) of start-up errors that need 8
+# devices; they stop before the data is loaded.
+MESH_ERRORS = (
+    ("pipe axis without a pipeline", {"mesh": "pipe:4,data:2"},
+     ["error: --mesh='pipe:4,data:2' has a pipe axis of 4", "--pipeline=gpipe"]),
+    ("layers", {**GPIPE, "num_layers": 6},
+     ["error: --num_layers=6 is not divisible by the pipe axis (4)"]),
+    ("batch", {**GPIPE, "batch_size": 12},
+     ["error: --batch_size=12 is not divisible by --microbatches (4) x the mesh's "
+      "data axis (2) = 8"]),
+    ("circular with few microbatches", {**GPIPE, "pipeline": "circular", "microbatches": 2},
+     ["error: --pipeline=circular needs --microbatches at least the pipe axis (4), got 2"]),
+)
+ATOL = 1e-4  # float32 losses after 20 steps; only reductions are reordered
+
+
+def drive(spec_path: str, out_path: str, cache_dir: str) -> None:
+  """Runs ``train.main`` once per spec in this process; writes logs and errors.
+
+  Called in a fresh interpreter whose device count is set. Programs that
+  several runs share compile once, through a persistent compilation cache
+  private to this driver. A run that exits (``sys.exit``, as the binary's
+  start-up errors do) records its message.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  flags.FLAGS(["train"])
+  logging.set_verbosity(logging.INFO)
+  lines = []
+  handler = py_logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  py_logging.getLogger("absl").addHandler(handler)
+  with open(spec_path, encoding="utf-8") as f:
+    specs = json.load(f)
+  results = []
+  for spec in specs:
+    del lines[:]
+    error = exit_message = None
+    try:
+      with flagsaver.flagsaver(**spec["flags"]):
+        train.main(["train"])
+    except SystemExit as e:
+      exit_message = str(e.code)
+    except BaseException:  # pylint: disable=broad-except
+      error = traceback.format_exc()
+    results.append({"name": spec["name"], "error": error, "exit": exit_message,
+                    "log": "\n".join(lines)})
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump({"runs": results}, f)
+
+
+def xla_env(devices: int) -> dict:
+  return {**os.environ, "XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count={devices}"}
+
+
+def as_args(flags: dict) -> list[str]:
+  return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
+  """A subprocess whose output goes to a file (a pipe nobody reads could fill)."""
+  log = open(log_path, "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+  proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  proc.log = log
+  return proc
+
+
+def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+  """Waits for ``proc``; returns its output, after checking it succeeded."""
+  proc.wait(timeout=timeout)
+  proc.log.seek(0)
+  output = proc.log.read()
+  assert proc.returncode == 0, f"{proc.args[:3]} failed:\n{output[-5000:]}"
+  return output
+
+
+def write_corpus(path: str) -> str:
+  """A few KB of simple English, deterministic."""
+  sentences = ("the cat sat on the mat.", "a dog ran to the red ball.",
+               "we like to read a good book at night.", "she sang a song in the garden.",
+               "it is a fine day for a walk by the river.", "he drank a cup of hot tea.")
+  lines = [" ".join(sentences[(i * k) % len(sentences)] for k in (1, 2, 5))
+           for i in range(120)]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(workdir: str) -> np.ndarray:
+  return np.array([r["train_loss"] for r in read_metrics(workdir)])
+
+
+class Runs:
+  """Every training subprocess of this module, started at once."""
+
+  def __init__(self, tmp: str):
+    self.tmp = tmp
+    self.corpus = write_corpus(os.path.join(tmp, "text.txt"))
+    self.procs, self.drivers = [], {}
+    self.driver(1, [("reference", {"block": "scan"})])
+    self.driver(8, [(name, flags) for name, flags, _ in MESH_ERRORS]
+                + [("gpipe", GPIPE), ("circular", CIRCULAR)]
+                + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
+    self.driver(4, [("four", MESH_MP)])
+    self.stopped = self.pair({"stop_after": STOP})
+    self.after_stop = self.resumed = self.error = None
+    self.thread = threading.Thread(target=self._resume_when_stopped, daemon=True)
+    self.thread.start()
+
+  def flags(self, name: str, **extra) -> dict:
+    return {**TINY, "data_path": self.corpus, "workdir": self.workdir(name), **extra}
+
+  def workdir(self, name: str) -> str:
+    return os.path.join(self.tmp, name.replace(" ", "_"))
+
+  def driver(self, devices: int, runs: list[tuple[str, dict]]) -> None:
+    specs = [{"name": name, "flags": self.flags(name, **flags)} for name, flags in runs]
+    spec_path = os.path.join(self.tmp, f"driver{devices}.json")
+    out_path = os.path.join(self.tmp, f"driver{devices}.out.json")
+    with open(spec_path, "w", encoding="utf-8") as f:
+      json.dump(specs, f)
+    # No loss.png from the drivers: matplotlib's import and drawing cost a
+    # second of CPU per run.
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
+            "import gpt_pipeline_test as t; t.drive(*sys.argv[3:6])")
+    proc = start([sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
+                  spec_path, out_path, os.path.join(self.tmp, f"jax_cache{devices}")],
+                 xla_env(devices), os.path.join(self.tmp, f"driver{devices}.log"))
+    self.procs.append(proc)
+    self.drivers[devices] = (proc, out_path)
+
+  def pair(self, extra: dict) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+      flags = self.flags("mp", **MESH_MP, **extra, num_processes=2, process_id=i,
+                         coordinator_address=f"127.0.0.1:{port}")
+      log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
+      procs.append(start([sys.executable, TRAIN, *as_args(flags)], xla_env(2), log))
+    self.procs.extend(procs)
+    return procs
+
+  def driver_run(self, devices: int, name: str, ok: bool = True) -> dict:
+    """A driver's run of that name, after checking it raised nothing (``ok``)."""
+    proc, out_path = self.drivers[devices]
+    wait(proc)
+    with open(out_path, encoding="utf-8") as f:
+      (run,) = [run for run in json.load(f)["runs"] if run["name"] == name]
+    assert run["error"] is None, f"{name} failed:\n{run['error']}"
+    if ok:
+      assert run["exit"] is None, f"{name} exited: {run['exit']}"
+    return run
+
+  def _resume_when_stopped(self) -> None:
+    try:
+      logs = [wait(p) for p in self.stopped]
+      self.after_stop = {"logs": logs, "records": read_metrics(self.workdir("mp"))}
+      self.resumed = self.pair({"resume": True})
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
+
+  def two_process_logs(self) -> tuple[list[str], list[str]]:
+    """The stopped pair's logs and the resumed pair's, once both finished."""
+    self.thread.join(timeout=600)
+    if self.error is not None:
+      raise self.error
+    return self.after_stop["logs"], [wait(p) for p in self.resumed]
+
+  def close(self) -> None:
+    self.thread.join(timeout=600)
+    for proc in self.procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      proc.log.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  r = Runs(str(tmp_path_factory.mktemp("pipeline")))
+  yield r
+  r.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_runs_early(request):
+  """Starts the training runs before the first test, so the command-line
+  test runs while they train (only when some selected test needs them)."""
+  if any("runs" in item.fixturenames for item in request.session.items
+         if item.module is request.module):
+    request.getfixturevalue("runs")
+
+
+def kib_per_device(log: str) -> float:
+  """Parameter KiB per device, from the start-up log line."""
+  match = re.search(r"([\d.]+) KiB of parameters and", log)
+  assert match, log
+  return float(match.group(1))
+
+
+# ---------------------------------------------------------------------------
+# Start-up errors.
+
+
+def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
+  # Two on the command line (one device, no virtual ones): stderr holds the
+  # one line and nothing else.
+  cli_cases = [
+      ("flags only", {"microbatches": 4},
+       ["--microbatches needs --pipeline=gpipe or circular"]),
+      ("no pipe axis", {"pipeline": "gpipe"},
+       ["error: --pipeline=gpipe places its stages on a pipe axis, which is missing "
+        "from --mesh=''", "--mesh=pipe:4,data:2"]),
+  ]
+  started = []
+  for name, flags, fragments in cli_cases:
+    workdir = tmp_path / name.replace(" ", "_")
+    args = as_args({**TINY, "data_path": runs.corpus, "workdir": workdir, **flags})
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=xla_env(1),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started.append((name, workdir, fragments, proc))
+  for name, workdir, fragments, proc in started:
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0, name
+    assert "Traceback" not in stderr, f"{name}:\n{stderr}"
+    # absl's flag errors add a hint line; the message itself is one line.
+    lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+    assert len(lines) == 1, f"{name}:\n{stderr}"
+    for fragment in fragments:
+      assert fragment in lines[0], f"{name}: {fragment!r} not in {lines[0]!r}"
+    assert not workdir.exists(), name
+  # Those that need 8 devices ran in the 8-device driver, which records what
+  # sys.exit printed.
+  for name, _, fragments in MESH_ERRORS:
+    message = runs.driver_run(8, name, ok=False)["exit"]
+    assert message and "\n" not in message, f"{name}: {message!r}"
+    for fragment in fragments:
+      assert fragment in message, f"{name}: {fragment!r} not in {message!r}"
+    assert not os.path.exists(runs.workdir(name)), name
+
+
+# ---------------------------------------------------------------------------
+# One process, 8 devices, against one device.
+
+
+@pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR)])
+def test_pipelined_run_gives_the_one_device_losses(runs, name, flags):
+  log = runs.driver_run(8, name)["log"]
+  sizes = {"pipe": 1, "data": 1, "fsdp": 1,
+           **{k: int(v) for k, v in (p.split(":") for p in flags["mesh"].split(","))}}
+  assert f"mesh {sizes} over 8 devices in 1 processes" in log, log
+  repeats = flags.get("pipeline_repeats", 1)
+  assert (f"Pipeline: {flags['pipeline']} over {sizes['pipe']} stages x {repeats} repeats, "
+          f"4 microbatches of 2 sequences") in log, log
+  reference_log = runs.driver_run(1, "reference")["log"]
+  here, reference = runs.workdir(name), runs.workdir("reference")
+  assert [r["step"] for r in read_metrics(here)] == list(range(1, STEPS + 1))
+  np.testing.assert_allclose(train_losses(here), train_losses(reference), rtol=0, atol=ATOL)
+  np.testing.assert_allclose(read_metrics(here)[-1]["valid_loss"],
+                             read_metrics(reference)[-1]["valid_loss"], rtol=0, atol=ATOL)
+  # Each stage holds its own layers; the embeddings and head are whole.
+  assert kib_per_device(log) < 0.5 * kib_per_device(reference_log), (log, reference_log)
+
+
+def test_scan_block_stats_come_back_through_the_pipeline(runs):
+  """Scan blocks return per-sequence stats, put back together over the
+  microbatches: every step's per-layer stats of the circular run are the
+  reference's (written rounded to 4 decimals)."""
+  runs.driver_run(8, "circular")
+  runs.driver_run(1, "reference")
+  here, reference = read_metrics(runs.workdir("circular")), read_metrics(runs.workdir("reference"))
+  for stat in ("attn_entropy", "update_ratio"):
+    ours = np.array([r[stat] for r in here])
+    theirs = np.array([r[stat] for r in reference])
+    assert ours.shape == (STEPS, TINY["num_layers"]), ours.shape
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-4, err_msg=stat)
+
+
+def test_checkpoints_move_between_plain_and_pipelined_runs(runs):
+  """Plain to step 7, a gpipe pipeline (from the plain checkpoint) to step 14,
+  plain again (from the pipelined one) to 20: the reference's losses."""
+  logs = [runs.driver_run(8, name)["log"] for name, _ in CHAIN]
+  assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[2]
+  assert "Pipeline: gpipe over 4 stages" in logs[1], logs[1]
+  assert "Resumed from step 7." in logs[1] and "Resumed from step 14." in logs[2]
+  runs.driver_run(1, "reference")
+  chain = runs.workdir("chain")
+  assert [r["step"] for r in read_metrics(chain)] == list(range(1, STEPS + 1))
+  np.testing.assert_allclose(train_losses(chain), train_losses(runs.workdir("reference")),
+                             rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------
+# Two processes, a pipe axis across them.
+
+
+def test_two_processes_equal_one_process_and_resume_exactly(runs):
+  """Stages 0-1 in process 0, 2-3 in process 1, stopped at step 10 and
+  resumed: bit for bit the 20 straight steps of one process with 4 devices
+  (every cross-stage sum adds one stage's values to zeros, which no order
+  changes), which are the one-device losses to 1e-4."""
+  stopped_logs, resumed_logs = runs.two_process_logs()
+  runs.driver_run(4, "four")
+  four, mp = runs.workdir("four"), runs.workdir("mp")
+  for log in stopped_logs + resumed_logs:
+    assert "mesh {'pipe': 4, 'data': 1, 'fsdp': 1} over 4 devices in 2 processes" in log, log
+    assert "Pipeline: gpipe over 4 stages" in log, log
+  for log in resumed_logs:
+    assert f"Resumed from step {STOP}." in log, log
+  stopped = runs.after_stop["records"]
+  assert [r["step"] for r in stopped] == list(range(1, STOP + 1))
+  np.testing.assert_array_equal([r["train_loss"] for r in stopped], train_losses(four)[:STOP])
+  records = read_metrics(mp)
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  np.testing.assert_array_equal(train_losses(mp), train_losses(four))
+  assert records[-1]["valid_loss"] == read_metrics(four)[-1]["valid_loss"]
+  runs.driver_run(1, "reference")
+  np.testing.assert_allclose(train_losses(four), train_losses(runs.workdir("reference")),
+                             rtol=0, atol=ATOL)
