@@ -30,6 +30,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
+from benchmarks import pipeline  # pylint: disable=wrong-import-position
 from benchmarks import remat_plan  # pylint: disable=wrong-import-position
 from benchmarks import step_time  # pylint: disable=wrong-import-position
 
@@ -153,6 +154,33 @@ def test_remat_plan_quick(tmp_path):
   assert planning["candidates"] == 3
   assert result["summary"]["all_within_budget"] is True
   assert result["summary"]["report_temp_mismatches"] == {}
+
+
+def test_pipeline_quick(tmp_path):
+  # main() runs the script again in a new process: this one's JAX has 1 device.
+  result = _run(pipeline, tmp_path)
+  assert result["config"]["devices"] == pipeline.NUM_DEVICES
+  bubble = result["bubble"]["rows"]
+  assert bubble and all(r["exact"] for r in bubble)
+  for r in bubble:
+    assert r["bubble"] == pytest.approx((r["P"] - 1) / (r["R"] * r["M"] + r["P"] - 1))
+  # Every mesh holds 1/(P*fsdp) of the stack; only Adam's step count stays whole.
+  for row in result["resident"]["rows"]:
+    assert row["exact_on_split_leaves"], row["mesh"]
+    assert row["param_ratio"] == 1 / row["expected_divisor"], row["mesh"]
+    whole = {leaf["leaf"] for leaves in row["leaves_not_split"].values() for leaf in leaves}
+    assert whole == {"[0].count"}, (row["mesh"], whole)
+  rows = {r["schedule"]: r for r in result["compiled"]["rows"]}
+  assert set(rows) == {"gpipe", "circular"}
+  for row in rows.values():
+    assert row["matches_plain"], row
+    assert _positive_number(row["temp_bytes"]) and _positive_number(row["plain_temp_bytes"])
+    # Microbatches go from stage to stage in both schedules.
+    assert row["collectives"]["collective-permute"]["activations"] > 0
+  # Only the circular step regroups its parameters.
+  assert not any(c["parameters"] for c in rows["gpipe"]["collectives"].values())
+  assert rows["circular"]["collectives"]["all-to-all"]["parameters"] > 0
+  assert result["summary"]["all_match_plain"] and result["summary"]["bubble_all_exact"]
 
 
 # Stand-ins for the two programs nanogpt_cpu.py runs, which print (nanoGPT)
