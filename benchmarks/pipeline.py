@@ -39,14 +39,15 @@ nothing about how fast a real pipeline runs. Steps compile with
 ``instruments.FAST_COMPILE`` (checked once per full run to give the same
 temp bytes as XLA's defaults).
 
-  python benchmarks/pipeline.py               # full run, ~3 min on 2 cores
-  python benchmarks/pipeline.py --quick       # seconds (the smoke test)
+  python benchmarks/pipeline.py               # full run, ~3.5 min on 2 cores
+  python benchmarks/pipeline.py --quick       # ~20 s (the smoke test)
   python benchmarks/pipeline.py --layers 32 --pipes 4 --remats full
 
 JAX fixes its device count when it starts, so this script, run as one, puts
 ``--xla_force_host_platform_device_count=8`` into ``XLA_FLAGS`` before it
-imports JAX (importing it as a module changes nothing); ``main()`` called in a process whose JAX has fewer devices runs
-the script again in a subprocess and returns what it wrote. Writes
+imports JAX (importing it as a module changes nothing); ``main()`` called
+in a process whose JAX has fewer devices runs the script again in a
+subprocess and returns what it wrote. Writes
 ``benchmarks/results/pipeline.json`` and ``pipeline.png``.
 """
 
@@ -416,7 +417,8 @@ def markdown(payload: dict[str, Any]) -> str:
   if moved:
     lines += ["", "Parameter collectives of the circular step, per device (in all, once "
               "per step): " + "; ".join(f"{mesh}: {text}" for mesh, text in moved.items()) +
-              f". The whole stack's parameters are {payload['resident']['plain']['params'] / 2**20:.2f} MiB."]
+              ". The whole stack's parameters are "
+              f"{payload['resident']['plain']['params'] / 2**20:.2f} MiB."]
   sweep = payload["compiled"].get("sweep")
   if sweep:
     lines += ["", f"**Temp memory against M** ({sweep['mesh']}, {sweep['schedule']}, "
