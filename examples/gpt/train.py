@@ -8,7 +8,7 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=auto --memory_budget=8MiB   # planned
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
-      --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8
+      --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
 
 Logs step, train and validation loss, tokens/s and step time (of training
 alone: evaluation and checkpoints are left out), and at start-up the compiled
