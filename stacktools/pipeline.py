@@ -243,6 +243,21 @@ def merge_microbatches(tree: PyTree, axis: int = 0) -> PyTree:
 # The pipelined loop.
 
 
+def _on_pipe(tree: PyTree, pipeline: Pipeline) -> PyTree:
+  """Pins each leaf's leading (Layers) axis to the pipe axis, other axes free.
+
+  The regrouping into stages is a reshape and a transpose; with the plain
+  layout pinned on both sides, its gradient is regrouped back by the same
+  all-to-all, instead of being gathered whole on every device.
+  """
+  def one(a):
+    spec = PartitionSpec(pipeline.axis, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
+    target = (spec if pipeline.mesh is None
+              else jax.sharding.NamedSharding(pipeline.mesh, spec))
+    return lax.with_sharding_constraint(a, target)
+  return jax.tree_util.tree_map(one, tree)
+
+
 class StageLayers(NamedTuple):
   """What a pipelined stack's loop reads per layer (all ``[L, ...]``)."""
 
@@ -280,22 +295,37 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
   table = schedule(stages, micro, repeats)
   axis = pipeline.axis
   xs = split_microbatches(x, micro, owner)
-  staged = to_stages(layers, stages, repeats)
+  staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, repeats), pipeline)
   shift = [(s, (s + 1) % stages) for s in range(stages)]
   ys_shape = None
 
-  def stage_chunk(x_in, chunk, microbatch):
-    """The K layers of one chunk on one microbatch, with the stack's policy."""
-    rng = chunk.rng
-    if rng is not None:   # a fresh key per microbatch, the same on every stage
-      rng = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(rng)
-    per_layer = make_slice(chunk.params, chunk.state, rng, chunk.sliced, chunk.index)
-    return loops.scan(body, remat=policy, unroll=unroll)(x_in, per_layer)
+  def stage_chunk(x_in, local, state, repeat, microbatch):
+    """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
+
+    Each layer's parameters are picked from the stage's ``[R, K, ...]``
+    arrays inside the layer's step, that is inside its checkpoint: the
+    backward pass then keeps the stage's own parameters once (a loop
+    invariant) rather than a copy of every chunk at every tick.
+    """
+    def layer_step(carry, xs):
+      k, layer_state = xs
+      pick = lambda a: a[repeat, k]  # noqa: E731
+      rng = None
+      if local.rng is not None:   # a fresh key per microbatch, the same on every stage
+        rng = jax.random.fold_in(pick(local.rng), microbatch)
+      layer = make_slice(jax.tree_util.tree_map(pick, local.params), layer_state, rng,
+                         jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
+      return body(carry, layer)
+
+    chunk_size = local.index.shape[1]
+    return loops.scan(layer_step, remat=policy, unroll=unroll)(
+        x_in, (jnp.arange(chunk_size), state))
 
   def probe_ys():
-    first = jax.tree_util.tree_map(lambda a: a[0, 0], staged)
+    local = jax.tree_util.tree_map(lambda a: a[0], staged)
     x0 = jax.tree_util.tree_map(lambda a: a[0], xs)
-    return jax.eval_shape(lambda c, m: stage_chunk(x0, c, m)[1][0], first, 0)
+    state = jax.tree_util.tree_map(lambda a: a[0], local.state)
+    return jax.eval_shape(lambda l, s: stage_chunk(x0, l, s, 0, 0)[1][0], local, state)
 
   ys_shape = probe_ys()
   mb_size = jax.tree_util.tree_leaves(xs)[0].shape[1]
@@ -324,8 +354,8 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
       first = jax.tree_util.tree_map(lambda b: b[m], buf)
       x_in = jax.tree_util.tree_map(lambda a, b: jnp.where(stage == 0, a, b),
                                     first, incoming)
-      chunk = jax.tree_util.tree_map(lambda a: a[r], local._replace(state=state))
-      x_out, (ys, new_state) = stage_chunk(x_in, chunk, m)
+      x_out, (ys, new_state) = stage_chunk(
+          x_in, local, jax.tree_util.tree_map(lambda a: a[r], state), r, m)
       state = jax.tree_util.tree_map(
           lambda old, new: old.at[r].set(jnp.where(ok, new, old[r])), state, new_state)
       ys_buf = jax.tree_util.tree_map(
