@@ -5,20 +5,20 @@ subprocess with ``--xla_force_host_platform_device_count`` (virtual CPU
 devices), and all of them start together when the module's first test asks
 for them:
 
-* three drivers (:func:`drive`: ``train.main`` in-process under absl's
+* four drivers (:func:`drive`: ``train.main`` in-process under absl's
   flagsaver, one interpreter for several runs, a private compilation cache):
   on 1 device the plain reference (scan blocks, so that their per-layer
   stats are logged); on 8 devices the start-up errors that need a mesh,
-  ``gpipe`` on ``pipe:4,data:2`` with fold blocks, ``circular`` with 2
-  repeats on ``pipe:2,fsdp:2,data:2`` with scan blocks, and one workdir
-  trained plain (``data:8``) to step 7, resumed as a gpipe pipeline to step
-  14 and resumed plain (``data:4,fsdp:2``) to step 20; on 4 devices
-  ``pipe:4`` in one process, the reference of the two-process runs;
+  ``gpipe`` on ``pipe:4,data:2`` with fold blocks, and one workdir trained
+  plain (``data:8``) to step 7, resumed as a gpipe pipeline to step 14 and
+  resumed plain to step 20; on 8 more, ``circular`` with 2 repeats on
+  ``pipe:2,fsdp:2,data:2`` with scan blocks; on 4 devices ``pipe:4`` in one
+  process, the reference of the two-process runs;
 * a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
   on 127.0.0.1, 2 devices each, ``--mesh=pipe:4``: stages 0-1 in one
   process, 2-3 in the other, stopped at step 10; then a second pair that
   resumes their checkpoint to step 20;
-* two command-line runs whose flags are wrong before any device is used.
+* one command-line run whose flags contradict each other.
 
 What is checked, against numbers:
 
@@ -35,8 +35,8 @@ What is checked, against numbers:
   bit for bit where the uninterrupted run ends;
 * start-up errors (a pipe axis without --pipeline, --pipeline without a pipe
   axis, layers or a batch that do not divide, a circular schedule with too
-  few microbatches, pipeline flags with --pipeline=none): one ``error:``
-  line, nothing written.
+  few microbatches; pipeline flags with --pipeline=none, which absl's flag
+  validation stops): one line, nothing written.
 
 The runs compile with XLA's cheap settings plus the CPU backend's older
 loop emitters (``--xla_cpu_use_fusion_emitters=false``), which compile the
@@ -198,13 +198,16 @@ class Runs:
   def __init__(self, tmp: str):
     self.tmp = tmp
     self.corpus = write_corpus(os.path.join(tmp, "text.txt"))
-    self.procs, self.drivers = [], {}
-    self.driver(1, [(name, flags) for devices, name, flags, _ in MESH_ERRORS if devices == 1]
-                + [("reference", {"block": "scan"})])
-    self.driver(8, [(name, flags) for devices, name, flags, _ in MESH_ERRORS if devices == 8]
-                + [("gpipe", GPIPE), ("circular", CIRCULAR)]
+    self.procs, self.drivers, self.driver_of = [], {}, {}
+    self.driver("one", 1, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
+                           if devices == 1] + [("reference", {"block": "scan"})])
+    # Two 8-device drivers, so that no one process holds the others up; the
+    # chain's pipelined leg reuses the gpipe run's compiled step.
+    self.driver("eight", 8, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
+                             if devices == 8] + [("gpipe", GPIPE)]
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
-    self.driver(4, [("four", MESH_MP)])
+    self.driver("eight circular", 8, [("circular", CIRCULAR)])
+    self.driver("four", 4, [("four", MESH_MP)])
     self.stopped = self.pair({"stop_after": STOP})
     self.after_stop = self.resumed = self.error = None
     self.thread = threading.Thread(target=self._resume_when_stopped, daemon=True)
@@ -216,10 +219,11 @@ class Runs:
   def workdir(self, name: str) -> str:
     return os.path.join(self.tmp, name.replace(" ", "_"))
 
-  def driver(self, devices: int, runs: list[tuple[str, dict]]) -> None:
+  def driver(self, key: str, devices: int, runs: list[tuple[str, dict]]) -> None:
     specs = [{"name": name, "flags": self.flags(name, **flags)} for name, flags in runs]
-    spec_path = os.path.join(self.tmp, f"driver{devices}.json")
-    out_path = os.path.join(self.tmp, f"driver{devices}.out.json")
+    label = key.replace(" ", "_")
+    spec_path = os.path.join(self.tmp, f"driver_{label}.json")
+    out_path = os.path.join(self.tmp, f"driver_{label}.out.json")
     with open(spec_path, "w", encoding="utf-8") as f:
       json.dump(specs, f)
     # No loss.png from the drivers: matplotlib's import and drawing cost a
@@ -227,10 +231,11 @@ class Runs:
     code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
             "import gpt_pipeline_test as t; t.drive(*sys.argv[3:6])")
     proc = start([sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
-                  spec_path, out_path, os.path.join(self.tmp, f"jax_cache{devices}")],
-                 xla_env(devices), os.path.join(self.tmp, f"driver{devices}.log"))
+                  spec_path, out_path, os.path.join(self.tmp, f"jax_cache_{label}")],
+                 xla_env(devices), os.path.join(self.tmp, f"driver_{label}.log"))
     self.procs.append(proc)
-    self.drivers[devices] = (proc, out_path)
+    self.drivers[key] = (proc, out_path)
+    self.driver_of.update((name, key) for name, _ in runs)
 
   def pair(self, extra: dict) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
@@ -253,9 +258,10 @@ class Runs:
     self.procs.extend(procs)
     return procs
 
-  def driver_run(self, devices: int, name: str, ok: bool = True) -> dict:
-    """A driver's run of that name, after checking it raised nothing (``ok``)."""
-    proc, out_path = self.drivers[devices]
+  def driver_run(self, name: str, ok: bool = True) -> dict:
+    """The driven run of that name, after checking it raised nothing (and,
+    with ``ok``, did not exit)."""
+    proc, out_path = self.drivers[self.driver_of[name]]
     wait(proc)
     with open(out_path, encoding="utf-8") as f:
       (run,) = [run for run in json.load(f)["runs"] if run["name"] == name]
@@ -331,7 +337,7 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
   # Those that need a mesh ran in the drivers, which record the message
   # that sys.exit prints (alone on stderr, as the line above).
   for devices, name, _, fragments in MESH_ERRORS:
-    message = runs.driver_run(devices, name, ok=False)["exit"]
+    message = runs.driver_run(name, ok=False)["exit"]
     assert message and "\n" not in message, f"{name}: {message!r}"
     for fragment in fragments:
       assert fragment in message, f"{name}: {fragment!r} not in {message!r}"
@@ -344,14 +350,14 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
 
 @pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR)])
 def test_pipelined_run_gives_the_one_device_losses(runs, name, flags):
-  log = runs.driver_run(8, name)["log"]
+  log = runs.driver_run(name)["log"]
   sizes = {"pipe": 1, "data": 1, "fsdp": 1,
            **{k: int(v) for k, v in (p.split(":") for p in flags["mesh"].split(","))}}
   assert f"mesh {sizes} over 8 devices in 1 processes" in log, log
   repeats = flags.get("pipeline_repeats", 1)
   assert (f"Pipeline: {flags['pipeline']} over {sizes['pipe']} stages x {repeats} repeats, "
           f"4 microbatches of 2 sequences") in log, log
-  reference_log = runs.driver_run(1, "reference")["log"]
+  reference_log = runs.driver_run("reference")["log"]
   here, reference = runs.workdir(name), runs.workdir("reference")
   assert [r["step"] for r in read_metrics(here)] == list(range(1, STEPS + 1))
   np.testing.assert_allclose(train_losses(here), train_losses(reference), rtol=0, atol=ATOL)
@@ -365,8 +371,8 @@ def test_scan_block_stats_come_back_through_the_pipeline(runs):
   """Scan blocks return per-sequence stats, put back together over the
   microbatches: every step's per-layer stats of the circular run are the
   reference's (written rounded to 4 decimals)."""
-  runs.driver_run(8, "circular")
-  runs.driver_run(1, "reference")
+  runs.driver_run("circular")
+  runs.driver_run("reference")
   here, reference = read_metrics(runs.workdir("circular")), read_metrics(runs.workdir("reference"))
   for stat in ("attn_entropy", "update_ratio"):
     ours = np.array([r[stat] for r in here])
@@ -378,11 +384,11 @@ def test_scan_block_stats_come_back_through_the_pipeline(runs):
 def test_checkpoints_move_between_plain_and_pipelined_runs(runs):
   """Plain to step 7, a gpipe pipeline (from the plain checkpoint) to step 14,
   plain again (from the pipelined one) to 20: the reference's losses."""
-  logs = [runs.driver_run(8, name)["log"] for name, _ in CHAIN]
+  logs = [runs.driver_run(name)["log"] for name, _ in CHAIN]
   assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[2]
   assert "Pipeline: gpipe over 4 stages" in logs[1], logs[1]
   assert "Resumed from step 7." in logs[1] and "Resumed from step 14." in logs[2]
-  runs.driver_run(1, "reference")
+  runs.driver_run("reference")
   chain = runs.workdir("chain")
   assert [r["step"] for r in read_metrics(chain)] == list(range(1, STEPS + 1))
   np.testing.assert_allclose(train_losses(chain), train_losses(runs.workdir("reference")),
@@ -399,7 +405,7 @@ def test_two_processes_equal_one_process_and_resume_exactly(runs):
   (every cross-stage sum adds one stage's values to zeros, which no order
   changes), which are the one-device losses to 1e-4."""
   stopped_logs, resumed_logs = runs.two_process_logs()
-  runs.driver_run(4, "four")
+  runs.driver_run("four")
   four, mp = runs.workdir("four"), runs.workdir("mp")
   for log in stopped_logs + resumed_logs:
     assert "mesh {'pipe': 4, 'data': 1, 'fsdp': 1} over 4 devices in 2 processes" in log, log
@@ -413,6 +419,6 @@ def test_two_processes_equal_one_process_and_resume_exactly(runs):
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   np.testing.assert_array_equal(train_losses(mp), train_losses(four))
   assert records[-1]["valid_loss"] == read_metrics(four)[-1]["valid_loss"]
-  runs.driver_run(1, "reference")
+  runs.driver_run("reference")
   np.testing.assert_allclose(train_losses(four), train_losses(runs.workdir("reference")),
                              rtol=0, atol=ATOL)
