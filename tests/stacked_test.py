@@ -123,7 +123,9 @@ def test_stacked_matches_loop_and_blockseq(kind, reverse, unroll):
       _out_and_grads, _no_rng(stacked.apply)))(params, *args)
   expected = _out_and_grads(
       functools.partial(_loop, kind=kind, reverse=reverse), params, *args)
-  assert_close((out, grads), expected, rtol=1e-4, atol=1e-5)
+  # float32 summed in another order (a jitted scan against an eager loop):
+  # gradients of magnitude ~5 differ by up to ~2e-5 in their smallest elements.
+  assert_close((out, grads), expected, rtol=1e-4, atol=5e-5)
 
   seq_out, seq_grads = jax.jit(functools.partial(
       _out_and_grads, _no_rng(seq.apply)))(
