@@ -5,7 +5,7 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --stack=unrolled        # st.BlockSeq, a Python loop
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
-  python examples/gpt/train.py --remat=auto --memory_budget=8MiB   # planned
+  python examples/gpt/train.py --remat=auto --memory_budget=24MiB  # planned
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
@@ -320,6 +320,7 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
   model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
   logging.info("Planning --remat=auto within --memory_budget=%s: compiling and "
                "timing every candidate.", _MEMORY_BUDGET.value)
+  start = time.perf_counter()
   try:
     plan = st.plan_remat(make_train_step(model, optimizer), params, opt_state, batch,
                          budget=_MEMORY_BUDGET.value, repeats=3,
@@ -328,6 +329,9 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
     sys.exit(f"error: --memory_budget={_MEMORY_BUDGET.value}: {e}")
   (chosen,) = plan.choice.values()   # the model has one stack
   logging.info("%s", plan.report)
+  logging.info("Planning took %.1f s for %d candidates (compiling them: %.1f s).",
+               time.perf_counter() - start, len(plan.report.rows),
+               plan.report.compile_seconds)
   logging.info("Remat plan: %s (%s).", remat_text(chosen),
                ", ".join(f"{k}={v}" for k, v in plan.labels.items()))
   if is_chief:
@@ -666,6 +670,7 @@ def set_up(argv) -> Run:
   replicated = distributed.replicated(mesh)
   # Traced under the mesh: a pipelined stack reads its pipe axis from it (and
   # runs as a plain stack where there is none).
+  compile_start = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled_step = jax.jit(
         train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
@@ -674,8 +679,9 @@ def set_up(argv) -> Run:
             jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
                                  sharding=batch_sharding)).compile()
   memory = compiled_step.memory_analysis()
-  logging.info("Train step: compiled temp memory %.2f MiB (remat=%s%s, stack=%s, block=%s).",
-               memory.temp_size_in_bytes / 2**20, remat_text(cfg.remat),
+  logging.info("Train step: compiled temp memory %.2f MiB, compiled in %.1f s (remat=%s%s, "
+               "stack=%s, block=%s).", memory.temp_size_in_bytes / 2**20,
+               time.perf_counter() - compile_start, remat_text(cfg.remat),
                f", save_names={','.join(_SAVE_NAMES.value)}" if _SAVE_NAMES.value else "",
                cfg.stack, cfg.block)
   eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
