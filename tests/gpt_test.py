@@ -58,7 +58,8 @@ except ImportError:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
 SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+            "--xla_cpu_use_fusion_emitters=false")
 
 REMATS = ("none", "full", "nested", "offload", "save_all")
 BLOCKS = ("fold", "scan")
