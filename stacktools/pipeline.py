@@ -297,7 +297,6 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
   xs = split_microbatches(x, micro, owner)
   staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, repeats), pipeline)
   shift = [(s, (s + 1) % stages) for s in range(stages)]
-  ys_shape = None
 
   def stage_chunk(x_in, local, state, repeat, microbatch):
     """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
@@ -379,6 +378,10 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
     return out, expand(state), expand(ys_buf)
 
   spec = PartitionSpec(axis)
+  # check_vma=False: the tick loop's carries start the same on every stage
+  # (zeros, the whole buffer) and vary by stage once a ppermute has run, a
+  # change of type that the check would refuse in a scan carry; the outputs
+  # are made equal across stages by the psum, or are per stage by their spec.
   mapped = jax.shard_map(
       per_device, mesh=pipeline.mesh,
       in_specs=(PartitionSpec(), spec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
