@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,6 +44,8 @@ import pytest
 
 import gpt_test as gpt
 from examples.gpt import checkpoint
+from subprocesses import output, start
+from subprocesses import wait as wait_ok
 
 REPO = gpt.REPO
 STEPS, EVERY, KEEP, KILL_AT = 20, 5, 2, 10
@@ -77,25 +78,6 @@ def env(cache_dir: str) -> dict:
   return {**os.environ, "XLA_FLAGS": gpt.FAST_XLA, "JAX_COMPILATION_CACHE_DIR": cache_dir,
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
-def start(args: list[str], env_: dict, log_path: str) -> subprocess.Popen:
-  log = open(log_path, "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-  proc = subprocess.Popen(args, cwd=REPO, env=env_, stdout=log, stderr=subprocess.STDOUT)
-  proc.log = log
-  return proc
-
-
-def output(proc: subprocess.Popen) -> str:
-  proc.log.seek(0)
-  return proc.log.read()
-
-
-def wait_ok(proc: subprocess.Popen, timeout: float = 300) -> str:
-  proc.wait(timeout=timeout)
-  text = output(proc)
-  assert proc.returncode == 0, f"{proc.args[:4]} failed:\n{text[-5000:]}"
-  return text
 
 
 def last_step(workdir: str) -> int:

@@ -46,7 +46,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -56,6 +55,7 @@ import pytest
 
 import gpt_test as gpt
 from benchmarks import harness
+from subprocesses import free_port, start, wait
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
@@ -73,29 +73,6 @@ RTOL = 2e-5  # float32 losses and parameters after 10 steps, reductions reordere
 def xla_env(devices: int, **extra: str) -> dict:
   flags = f"{gpt.FAST_XLA} --xla_force_host_platform_device_count={devices}"
   return {**os.environ, "XLA_FLAGS": flags, **extra}
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
-  """A subprocess whose output goes to a file (a pipe nobody reads could fill)."""
-  log = open(log_path, "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-  proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-  proc.log = log
-  return proc
-
-
-def wait(proc: subprocess.Popen, timeout: float = 300) -> str:
-  """Waits for ``proc``; returns its output, after checking it succeeded."""
-  proc.wait(timeout=timeout)
-  proc.log.seek(0)
-  output = proc.log.read()
-  assert proc.returncode == 0, f"{proc.args[:3]} failed:\n{output[-5000:]}"
-  return output
 
 
 def kill(proc: subprocess.Popen) -> None:

@@ -50,7 +50,6 @@ data), and the pytest process itself never imports JAX.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +57,7 @@ import traceback
 
 import numpy as np
 import pytest
+from subprocesses import free_port, start, wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
@@ -146,29 +146,6 @@ def xla_env(devices: int) -> dict:
 
 def as_args(flags: dict) -> list[str]:
   return [f"--{k}={v}" for k, v in flags.items()]
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
-  """A subprocess whose output goes to a file (a pipe nobody reads could fill)."""
-  log = open(log_path, "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-  proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-  proc.log = log
-  return proc
-
-
-def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
-  """Waits for ``proc``; returns its output, after checking it succeeded."""
-  proc.wait(timeout=timeout)
-  proc.log.seek(0)
-  output = proc.log.read()
-  assert proc.returncode == 0, f"{proc.args[:3]} failed:\n{output[-5000:]}"
-  return output
 
 
 def write_corpus(path: str) -> str:

@@ -1,0 +1,40 @@
+"""Starting and collecting the training subprocesses that tests run.
+
+Each process writes its output to a file rather than a pipe (a pipe nobody
+reads could fill and block it); :func:`wait` reads the file back.
+"""
+
+import os
+import socket
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  """A TCP port nothing listens on now, for a jax.distributed coordinator."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
+  """Starts ``args`` in the repository root, its output going to ``log_path``."""
+  log = open(log_path, "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+  proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  proc.log = log
+  return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+  """What ``proc`` has written so far."""
+  proc.log.seek(0)
+  return proc.log.read()
+
+
+def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+  """Waits for ``proc``; returns its output, after checking it succeeded."""
+  proc.wait(timeout=timeout)
+  text = output(proc)
+  assert proc.returncode == 0, f"{proc.args[:4]} failed:\n{text[-5000:]}"
+  return text
