@@ -49,6 +49,7 @@ import numpy as np
 import pytest
 
 from examples.gpt import model as model_lib
+import stacktools as st
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
@@ -328,7 +329,7 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       ("short_data", TRAIN, {"data_path": str(short)},
        ["--data_path", "fewer than one batch"]),
       ("save_names", TRAIN, {"save_names": "attn_out,bogus"},
-       ["--save_names", "attn_probs, attn_out, mlp_hidden, mlp_out"]),
+       ["--save_names", ", ".join(model_lib.CHECKPOINT_NAMES)]),
       ("save_names_none", TRAIN, {"save_names": "attn_out", "remat": "none"},
        ["--save_names", "--remat"]),
       ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
@@ -664,6 +665,53 @@ def test_save_names_keeps_the_named_activations(drivers):
                              train_losses(drivers.workdir(_run_name("full", "fold"))),
                              rtol=1e-4)
   assert_only_outputs(drivers.workdir("save_names"))
+
+
+def _count_dots(jaxpr) -> int:
+  """dot_general equations in ``jaxpr`` and every jaxpr nested in it."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general"
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          count += _count_dots(inner)
+  return count
+
+
+def gradient_dots(policy) -> int:
+  """dot_general equations in the tiny model's gradient under ``policy``."""
+  cfg = model_lib.GPTConfig(vocab_size=19, seq_len=16, num_layers=NUM_LAYERS,
+                            num_heads=2, d_model=16, remat=policy)
+  loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
+  tokens = jnp.zeros((4, 17), jnp.int32)
+  params = jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
+  return _count_dots(jax.make_jaxpr(jax.grad(loss.apply))(params, tokens).jaxpr)
+
+
+def test_default_save_names_recompute_no_matmul():
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  # The flag's default keeps the matmul outputs under the aliases that
+  # recompute, and nothing more under none and save_all (which keep all).
+  for remat in train.SAVES_NAMES:
+    assert (train.checkpoint_policy(remat, None, None).save_block_internals
+            == model_lib.MATMUL_OUTPUTS)
+  assert train.checkpoint_policy("none", None, None) == st.REMAT_ALIASES["none"]
+  assert train.checkpoint_policy("save_all", None, None) == st.REMAT_ALIASES["save_all"]
+  assert train.checkpoint_policy("full", [], None) == st.REMAT_ALIASES["full"]
+  # Keeping them, the gradient has as many matmuls as without checkpointing.
+  # (The stack's scan body appears once in the jaxpr, whatever the depth.)
+  # Full remat repeats five of the block's six (the two projections, the two
+  # attention products and the MLP's first layer: the MLP's output layer is
+  # read by nothing in the backward pass), and leaving out any one name
+  # repeats at least one.
+  none = gradient_dots(st.REMAT_ALIASES["none"])
+  assert gradient_dots(train.checkpoint_policy("full", None, None)) == none
+  assert gradient_dots(train.checkpoint_policy("full", [], None)) == none + 5
+  for left_out in model_lib.MATMUL_OUTPUTS:
+    names = [n for n in model_lib.MATMUL_OUTPUTS if n != left_out]
+    assert gradient_dots(train.checkpoint_policy("full", names, None)) > none, left_out
 
 
 def test_resume_is_bitwise_identical(drivers):

@@ -52,6 +52,8 @@ from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-t
 from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 
 REMAT_CHOICES = tuple(st.REMAT_ALIASES)
+#: The --remat aliases that recompute, so that --save_names can keep something.
+SAVES_NAMES = ("full", "nested", "offload")
 
 _REMAT = flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
@@ -66,8 +68,11 @@ _REMAT_CANDIDATES = flags.DEFINE_list(
     "only (e.g. full,nested,save:mlp_hidden,none:2,full:2), to plan faster; "
     "default: every alias, every tagged name and per-depth mixes.")
 _SAVE_NAMES = flags.DEFINE_list(
-    "save_names", [], "Checkpoint names to keep on top of --remat (one of "
-    f"{', '.join(model_lib.CHECKPOINT_NAMES)}); needs --remat full, nested or offload.")
+    "save_names", None, "Checkpoint names to keep on top of --remat full, "
+    f"nested or offload (of {', '.join(model_lib.CHECKPOINT_NAMES)}). Default: "
+    f"{','.join(model_lib.MATMUL_OUTPUTS)}, every matmul's output, so the "
+    "backward pass recomputes only elementwise work; --save_names= (empty) "
+    "recomputes everything but the carries.")
 _NESTED_OUTER = flags.DEFINE_integer(
     "nested_outer", None, "Outer-loop size for --remat=nested (default: the "
     "split that keeps the fewest carries).", lower_bound=1)
@@ -154,7 +159,7 @@ flags.register_multi_flags_validator(
     ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
     message="--d_model must be divisible by --num_heads.")
 flags.register_validator(
-    "save_names", lambda names: set(names) <= set(model_lib.CHECKPOINT_NAMES),
+    "save_names", lambda names: set(names or ()) <= set(model_lib.CHECKPOINT_NAMES),
     message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
 def _check_remat(f: dict[str, Any]) -> bool:
   # Raises to name what was wrong, which a fixed message cannot.
@@ -193,7 +198,7 @@ flags.register_multi_flags_validator(
     ["remat", "num_layers", "memory_budget", "remat_candidates"], _check_remat)
 flags.register_multi_flags_validator(
     ["save_names", "remat"],
-    lambda f: not f["save_names"] or f["remat"] in ("full", "nested", "offload"),
+    lambda f: not f["save_names"] or f["remat"] in SAVES_NAMES,
     message="--save_names needs --remat full, nested or offload (none and save_all "
     "keep everything already).")
 flags.register_multi_flags_validator(
@@ -273,14 +278,20 @@ flags.register_multi_flags_validator(
     ["pattern", "window", "seq_len", "num_layers", "nested_outer"], _check_pattern)
 
 
-def checkpoint_policy(remat: str, save_names: list[str],
+def checkpoint_policy(remat: str, save_names: Optional[list[str]],
                       nested_outer: Optional[int]) -> Any:
-  """The remat value the flags ask for: a policy, per-depth segments or "auto"."""
+  """The remat value the flags ask for: a policy, per-depth segments or "auto".
+
+  ``save_names=None`` (the flag's default) keeps the matmul outputs under the
+  aliases that recompute (``full``, ``nested``, ``offload``).
+  """
   if remat == "auto":
     return remat
   if ":" in remat:
     return st.parse_per_depth(remat)
   policy = st.CheckpointPolicy.from_remat(remat)
+  if save_names is None:
+    save_names = list(model_lib.MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
   if save_names:
     policy = dataclasses.replace(policy, save_block_internals=tuple(save_names))
   if nested_outer is not None:
@@ -289,8 +300,13 @@ def checkpoint_policy(remat: str, save_names: list[str],
 
 
 def remat_text(remat: Any) -> str:
-  """A remat value as the log shows it: an alias, or per_depth(...)."""
-  return st.segments.describe_remat(st.segments.as_remat(remat))
+  """A remat value as the log shows it: an alias (with the names it keeps),
+  or per_depth(...)."""
+  names = getattr(remat, "save_block_internals", False)
+  if isinstance(names, bool) or not names:
+    return st.segments.describe_remat(st.segments.as_remat(remat))
+  alias = st.segments.describe_remat(dataclasses.replace(remat, save_block_internals=False))
+  return f"{alias}, save_names={','.join(names)}"
 
 
 def make_train_step(model: hk.Transformed,
@@ -679,10 +695,9 @@ def set_up(argv) -> Run:
             jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
                                  sharding=batch_sharding)).compile()
   memory = compiled_step.memory_analysis()
-  logging.info("Train step: compiled temp memory %.2f MiB, compiled in %.1f s (remat=%s%s, "
+  logging.info("Train step: compiled temp memory %.2f MiB, compiled in %.1f s (remat=%s, "
                "stack=%s, block=%s).", memory.temp_size_in_bytes / 2**20,
                time.perf_counter() - compile_start, remat_text(cfg.remat),
-               f", save_names={','.join(_SAVE_NAMES.value)}" if _SAVE_NAMES.value else "",
                cfg.stack, cfg.block)
   eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
 
