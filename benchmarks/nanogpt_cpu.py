@@ -270,6 +270,9 @@ def markdown(payload: dict[str, Any]) -> str:
     label = LABELS[program]
     if program == "ours":
       label += f", `--remat={payload['config']['remat']}`"
+      if payload["config"]["remat"] in ("full", "nested", "offload") and \
+          "--save_names" not in payload["config"]["train_flags"]:
+        label += " (keeps the matmul outputs)"
       if payload["config"]["train_flags"]:
         label += f" `{payload['config']['train_flags']}`"
     else:
@@ -337,7 +340,8 @@ def build_parser():
   p.add_argument("--eval_batches", type=int, default=200, help="nanoGPT's eval_iters")
   p.add_argument("--window", type=int, default=10, help="steps per timing window")
   p.add_argument("--remat", default="full",
-                 help="train.py's --remat (full, its default, is the fastest here)")
+                 help="train.py's --remat (full, its default, which keeps every "
+                 "matmul's output by default, is the fastest here)")
   p.add_argument("--train_flags", default="", help="more flags for train.py, e.g. '--unroll=1'")
   p.add_argument("--num_layers", type=int, default=4)
   p.add_argument("--num_heads", type=int, default=4)
