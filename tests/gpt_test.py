@@ -690,28 +690,31 @@ def gradient_dots(policy) -> int:
   return _count_dots(jax.make_jaxpr(jax.grad(loss.apply))(params, tokens).jaxpr)
 
 
-def test_default_save_names_recompute_no_matmul():
+def test_default_save_names_recompute_no_projection():
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
   # The flag's default keeps the matmul outputs under the aliases that
   # recompute, and nothing more under none and save_all (which keep all).
   for remat in train.SAVES_NAMES:
     assert (train.checkpoint_policy(remat, None, None).save_block_internals
-            == model_lib.MATMUL_OUTPUTS)
+            == model_lib.KEPT_MATMUL_OUTPUTS)
   assert train.checkpoint_policy("none", None, None) == st.REMAT_ALIASES["none"]
   assert train.checkpoint_policy("save_all", None, None) == st.REMAT_ALIASES["save_all"]
   assert train.checkpoint_policy("full", [], None) == st.REMAT_ALIASES["full"]
-  # Keeping them, the gradient has as many matmuls as without checkpointing.
-  # (The stack's scan body appears once in the jaxpr, whatever the depth.)
-  # Full remat repeats five of the block's six (the two projections, the two
-  # attention products and the MLP's first layer: the MLP's output layer is
-  # read by nothing in the backward pass), and leaving out any one name
-  # repeats at least one.
+  # Keeping them, the gradient has one matmul more than without
+  # checkpointing: the attention scores, recomputed. (The stack's scan body
+  # appears once in the jaxpr, whatever the depth.) Keeping the scores too
+  # recomputes none. Full remat repeats five of the block's six matmuls (the
+  # two projections, the two attention products and the MLP's first layer:
+  # its output layer is read by nothing in the backward pass), and leaving
+  # out any one kept name repeats at least one more.
   none = gradient_dots(st.REMAT_ALIASES["none"])
-  assert gradient_dots(train.checkpoint_policy("full", None, None)) == none
+  kept = list(model_lib.KEPT_MATMUL_OUTPUTS)
+  assert gradient_dots(train.checkpoint_policy("full", None, None)) == none + 1
+  assert gradient_dots(train.checkpoint_policy("full", kept + ["attn_scores"], None)) == none
   assert gradient_dots(train.checkpoint_policy("full", [], None)) == none + 5
-  for left_out in model_lib.MATMUL_OUTPUTS:
-    names = [n for n in model_lib.MATMUL_OUTPUTS if n != left_out]
-    assert gradient_dots(train.checkpoint_policy("full", names, None)) > none, left_out
+  for left_out in kept:
+    names = [n for n in kept if n != left_out]
+    assert gradient_dots(train.checkpoint_policy("full", names, None)) > none + 1, left_out
 
 
 def test_resume_is_bitwise_identical(drivers):

@@ -24,9 +24,8 @@ local layers and one global one. Decoding then keeps a ring cache of
 layer, passed per kind with ``st.per_kind``.
 
 The attention and MLP intermediates are named with ``st.checkpoint_name``
-(:data:`CHECKPOINT_NAMES`) so a policy can keep them. :data:`MATMUL_OUTPUTS`
-are the names a backward pass needs to recompute no matmul, only the
-elementwise work between them (layer norms, GELU, softmax).
+(:data:`CHECKPOINT_NAMES`) so a policy can keep them;
+:data:`KEPT_MATMUL_OUTPUTS` are the ones ``train.py`` keeps by default.
 
 ``GPTConfig.pipeline`` (an ``st.Pipeline``) runs the stack as a pipeline
 whenever the step is traced under a mesh with that pipeline's axis (``with
@@ -48,15 +47,15 @@ import stacktools as st
 
 CHECKPOINT_NAMES = ("qkv", "attn_scores", "attn_probs", "attn_mix", "attn_out",
                     "mlp_pre", "mlp_hidden", "mlp_out")
-#: The values whose recomputation would repeat a matmul: the query/key/value
-#: projection, the masked attention scores, their softmax's mix of the
-#: values (the output projection's input), the output projection and the
-#: MLP's first layer before its GELU. A policy that keeps these recomputes
-#: only elementwise work (layer norms, softmax, GELU), so the backward pass
-#: does no matmul twice, with about 40% of ``none``'s temp memory.
-#: (``attn_probs`` would not do: the softmax's own backward reads its
-#: untagged output, so keeping the tagged copy still recomputes the scores.)
-MATMUL_OUTPUTS = ("qkv", "attn_scores", "attn_mix", "attn_out", "mlp_pre")
+#: What the example's remat keeps by default: the outputs of the block's
+#: matmuls but the attention scores (the query/key/value projection, the
+#: attention's mix of the values, the output projection and the MLP's first
+#: layer before its GELU). The backward pass then recomputes the layer norms,
+#: the GELU, the softmax and the scores (``q @ k.T``: about 4% of the block's
+#: forward FLOPs at T=64, and cheaper to redo than to stack ``[L, B, H, T, T]``
+#: of them), but no projection; the step needs about a third of ``none``'s
+#: temp memory.
+KEPT_MATMUL_OUTPUTS = ("qkv", "attn_mix", "attn_out", "mlp_pre")
 #: The kinds of a pattern: a letter of --pattern, and the name its parameters
 #: live under (``h/local/...``, ``h/global/...``).
 KINDS = {"L": "local", "G": "global"}

@@ -70,9 +70,9 @@ _REMAT_CANDIDATES = flags.DEFINE_list(
 _SAVE_NAMES = flags.DEFINE_list(
     "save_names", None, "Checkpoint names to keep on top of --remat full, "
     f"nested or offload (of {', '.join(model_lib.CHECKPOINT_NAMES)}). Default: "
-    f"{','.join(model_lib.MATMUL_OUTPUTS)}, every matmul's output, so the "
-    "backward pass recomputes only elementwise work; --save_names= (empty) "
-    "recomputes everything but the carries.")
+    f"{','.join(model_lib.KEPT_MATMUL_OUTPUTS)}, the outputs of every matmul "
+    "but the attention scores, so the backward pass recomputes no projection; "
+    "--save_names= (empty) recomputes everything but the carries.")
 _NESTED_OUTER = flags.DEFINE_integer(
     "nested_outer", None, "Outer-loop size for --remat=nested (default: the "
     "split that keeps the fewest carries).", lower_bound=1)
@@ -282,8 +282,9 @@ def checkpoint_policy(remat: str, save_names: Optional[list[str]],
                       nested_outer: Optional[int]) -> Any:
   """The remat value the flags ask for: a policy, per-depth segments or "auto".
 
-  ``save_names=None`` (the flag's default) keeps the matmul outputs under the
-  aliases that recompute (``full``, ``nested``, ``offload``).
+  ``save_names=None`` (the flag's default) keeps
+  ``model.KEPT_MATMUL_OUTPUTS`` under the aliases that recompute (``full``,
+  ``nested``, ``offload``).
   """
   if remat == "auto":
     return remat
@@ -291,7 +292,7 @@ def checkpoint_policy(remat: str, save_names: Optional[list[str]],
     return st.parse_per_depth(remat)
   policy = st.CheckpointPolicy.from_remat(remat)
   if save_names is None:
-    save_names = list(model_lib.MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
+    save_names = list(model_lib.KEPT_MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
   if save_names:
     policy = dataclasses.replace(policy, save_block_internals=tuple(save_names))
   if nested_outer is not None:
