@@ -175,7 +175,7 @@ class CausalSelfAttention(hk.Module):
     mask = key_pos[None, :] <= query_pos[:, None]
     if self.window is not None:
       mask &= key_pos[None, :] > query_pos[:, None] - self.window
-    # Scaling the queries touches a quarter of the elements that scaling the
+    # Scaling the queries touches half the elements that scaling the
     # scores would (T = 2 * head_dim here); with the mask added as a bias the
     # step took 0.96x the time of scaling and masking the scores.
     scores = jnp.einsum("bqhd,bkhd->bhqk", q * (1 / head_dim**0.5), k)
