@@ -635,15 +635,21 @@ def test_stacked_and_blockseq_give_the_same_losses(drivers):
   assert_only_outputs(drivers.workdir("unrolled"))
 
 
-def residual_shapes(policy, batch: int = 4, seq_len: int = 16) -> list[tuple[int, ...]]:
-  """Shapes of what the backward pass of the tiny model's loss keeps."""
+def tiny_loss(policy, batch: int = 4, seq_len: int = 16):
+  """The tiny model's loss under ``policy`` as a function of the parameters,
+  and zero parameters for it."""
   cfg = model_lib.GPTConfig(vocab_size=19, seq_len=seq_len, num_layers=NUM_LAYERS,
                             num_heads=2, d_model=16, remat=policy)
   loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
   tokens = jnp.zeros((batch, seq_len + 1), jnp.int32)
   params = jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
   params = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-  return [tuple(r.shape) for r, _ in saved_residuals(lambda p: loss.apply(p, tokens), params)]
+  return (lambda p: loss.apply(p, tokens)), params
+
+
+def residual_shapes(policy) -> list[tuple[int, ...]]:
+  """Shapes of what the backward pass of the tiny model's loss keeps."""
+  return [tuple(r.shape) for r, _ in saved_residuals(*tiny_loss(policy))]
 
 
 def test_save_names_keeps_the_named_activations(drivers):
@@ -682,12 +688,8 @@ def _count_dots(jaxpr) -> int:
 
 def gradient_dots(policy) -> int:
   """dot_general equations in the tiny model's gradient under ``policy``."""
-  cfg = model_lib.GPTConfig(vocab_size=19, seq_len=16, num_layers=NUM_LAYERS,
-                            num_heads=2, d_model=16, remat=policy)
-  loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
-  tokens = jnp.zeros((4, 17), jnp.int32)
-  params = jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
-  return _count_dots(jax.make_jaxpr(jax.grad(loss.apply))(params, tokens).jaxpr)
+  loss, params = tiny_loss(policy)
+  return _count_dots(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
 
 
 def test_default_save_names_recompute_no_projection():
