@@ -23,6 +23,9 @@ local layers and one global one. Decoding then keeps a ring cache of
 ``window`` positions for each local layer and a full cache for each global
 layer, passed per kind with ``st.per_kind``.
 
+The linear layers are :class:`examples.gpt.linear.Linear`: ``hk.Linear``'s
+parameters, with a weight gradient that runs faster on CPU.
+
 The attention and MLP intermediates are named with ``st.checkpoint_name``
 (:data:`CHECKPOINT_NAMES`) so a policy can keep them;
 :data:`KEPT_MATMUL_OUTPUTS` are the ones ``train.py`` keeps by default.
@@ -44,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 import stacktools as st
+from examples.gpt.linear import Linear
 
 CHECKPOINT_NAMES = ("qkv", "attn_scores", "attn_probs", "attn_mix", "attn_out",
                     "mlp_pre", "mlp_hidden", "mlp_out")
@@ -81,6 +85,8 @@ class GPTConfig:
       period, one letter per layer: ``L`` (sliding-window attention) or ``G``
       (full attention), e.g. ``"LLLG"``.
     window: how many positions (its own included) an ``L`` layer attends to.
+    bias: whether the linear layers and layer norms have biases (offsets);
+      nanoGPT's default is without.
     pipeline: an ``st.Pipeline`` for the stack (``stack="scan"``, no
       pattern), or ``None``. Not part of the model's shape: checkpoints
       leave it out, and a pipelined run resumes a plain one's and back.
@@ -98,6 +104,7 @@ class GPTConfig:
   unroll: int = 1
   pattern: str = ""
   window: int = 0
+  bias: bool = True
   pipeline: Optional[st.Pipeline] = None
 
   def __post_init__(self):
@@ -154,7 +161,8 @@ class CausalSelfAttention(hk.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     head_dim = cfg.d_model // cfg.num_heads
-    qkv = st.checkpoint_name(hk.Linear(3 * cfg.d_model, name="qkv")(x), "qkv")
+    qkv = st.checkpoint_name(
+        Linear(3 * cfg.d_model, with_bias=cfg.bias, name="qkv")(x), "qkv")
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, head_dim), 3, axis=2)
     query_pos = jnp.arange(t)
     key_pos = jnp.arange(t)
@@ -184,7 +192,7 @@ class CausalSelfAttention(hk.Module):
     probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
     out = st.checkpoint_name(
         jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.d_model), "attn_mix")
-    out = st.checkpoint_name(hk.Linear(cfg.d_model, name="proj")(out), "attn_out")
+    out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out), "attn_out")
     return out, probs, new_cache
 
   def _ring(self, cache: Cache, k: jax.Array, v: jax.Array, pos: jax.Array):
@@ -221,15 +229,16 @@ class Block(hk.Module):
                pos: Optional[jax.Array] = None):
     cfg = self.cfg
     x_in = x
-    ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln1")
+    ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln1")
     attn, probs, new_cache = CausalSelfAttention(cfg, self.window, name="attn")(
         ln1(x), cache, pos)
     x = x + attn
-    ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln2")
-    h = st.checkpoint_name(hk.Linear(cfg.mlp_ratio * cfg.d_model, name="fc")(ln2(x)),
-                           "mlp_pre")
+    ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln2")
+    h = st.checkpoint_name(
+        Linear(cfg.mlp_ratio * cfg.d_model, with_bias=cfg.bias, name="fc")(ln2(x)), "mlp_pre")
     h = st.checkpoint_name(jax.nn.gelu(h), "mlp_hidden")
-    x = x + st.checkpoint_name(hk.Linear(cfg.d_model, name="fc_out")(h), "mlp_out")
+    x = x + st.checkpoint_name(
+        Linear(cfg.d_model, with_bias=cfg.bias, name="fc_out")(h), "mlp_out")
     if cache is not None:
       return x, new_cache
     if cfg.block == "fold":
@@ -281,8 +290,8 @@ def _embed(cfg: GPTConfig, tokens: jax.Array, pos: jax.Array | int = 0) -> jax.A
 
 
 def _head(cfg: GPTConfig, x: jax.Array) -> jax.Array:
-  x = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln_f")(x)
-  return hk.Linear(cfg.vocab_size, name="head")(x)
+  x = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")(x)
+  return Linear(cfg.vocab_size, with_bias=cfg.bias, name="head")(x)
 
 
 def forward(cfg: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:

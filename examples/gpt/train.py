@@ -91,6 +91,8 @@ _WINDOW = flags.DEFINE_integer(
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1)
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
+_BIAS = flags.DEFINE_bool("bias", True, "Biases in the linear layers and layer "
+                          "norms (--nobias: none, as nanoGPT's default).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
@@ -605,7 +607,8 @@ def set_up(argv) -> Run:
       num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
       d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
       remat=policy, unroll=_UNROLL.value, pattern=_PATTERN.value,
-      window=_WINDOW.value if "L" in _PATTERN.value else 0, pipeline=pipeline)
+      window=_WINDOW.value if "L" in _PATTERN.value else 0, bias=_BIAS.value,
+      pipeline=pipeline)
   steps = _STEPS.value
   last_step = steps if _STOP_AFTER.value is None else _STOP_AFTER.value
   logging.info("Corpus: %d training and %d validation characters, %d symbols; "
