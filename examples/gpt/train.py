@@ -1,6 +1,6 @@
 r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
 
-  python examples/gpt/train.py                         # defaults: ~1.5 minutes on 2 CPU cores
+  python examples/gpt/train.py                         # defaults: ~1.2 minutes on 2 CPU cores
   python examples/gpt/train.py --remat=nested --block=scan
   python examples/gpt/train.py --stack=unrolled        # st.BlockSeq, a Python loop
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
