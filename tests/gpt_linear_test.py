@@ -100,3 +100,19 @@ def test_gpt_without_bias_has_no_bias_or_offset():
   # Every linear layer's b and every layer norm's offset, nothing else.
   assert removed and all(n.endswith(("/b", "/offset")) for n in removed)
   assert not any(n.endswith(("/b", "/offset")) for n in without)
+
+
+def test_resuming_across_bias_says_which_flag_differs():
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  tokens = jnp.zeros((2, 9), jnp.int32)
+
+  def shapes(bias):
+    cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
+                              d_model=8, bias=bias)
+    loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
+    return jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
+
+  for saved, wanted in ((True, False), (False, True)):
+    with pytest.raises(checkpoint.CheckpointError, match="--bias"):
+      checkpoint.check_matches("ckpt/100", shapes(saved), shapes(wanted))
+  checkpoint.check_matches("ckpt/100", shapes(False), shapes(False))

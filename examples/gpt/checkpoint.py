@@ -352,8 +352,8 @@ def check_matches(path: str, metadata: Any, template: Any) -> None:
     if key not in saved:
       raise CheckpointError(
           f"{path} has no parameter {key}: it was written by a different model "
-          "or flags (e.g. --num_layers, --stack). Use the same model flags, or "
-          "a new --workdir.")
+          "or flags (e.g. --num_layers, --stack, --bias). Use the same model "
+          "flags, or a new --workdir.")
     entry = saved[key]
     shape, dtype = tuple(entry.shape), np.dtype(entry.dtype)
     if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
@@ -366,8 +366,8 @@ def check_matches(path: str, metadata: Any, template: Any) -> None:
     raise CheckpointError(
         f"{path} has parameters the model lacks ({', '.join(extra[:3])}"
         f"{', ...' if len(extra) > 3 else ''}): it was written by a different "
-        "model or flags (e.g. --num_layers, --stack). Use the same model flags, "
-        "or a new --workdir.")
+        "model or flags (e.g. --num_layers, --stack, --bias). Use the same model "
+        "flags, or a new --workdir.")
 
 
 def read_arrays(workdir: str, step: Optional[int] = None,
