@@ -83,15 +83,21 @@ def test_linear_has_hk_linears_parameters_and_outputs():
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_without_bias_has_no_bias_or_offset():
-  tokens = jnp.zeros((2, 9), jnp.int32)
+TOKENS = jnp.zeros((2, 9), jnp.int32)
 
+
+def tiny_gpt_loss(bias: bool) -> hk.Transformed:
+  """A 2-layer GPT's loss, with or without biases."""
+  cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
+                            d_model=8, bias=bias)
+  return hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
+
+
+def test_gpt_without_bias_has_no_bias_or_offset():
   def names(bias):
-    cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
-                              d_model=8, bias=bias)
-    loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
-    params = loss.init(jax.random.PRNGKey(0), tokens)
-    assert np.isfinite(float(jax.jit(loss.apply)(params, tokens)))
+    loss = tiny_gpt_loss(bias)
+    params = loss.init(jax.random.PRNGKey(0), TOKENS)
+    assert np.isfinite(float(jax.jit(loss.apply)(params, TOKENS)))
     return {f"{module}/{name}" for module, leaves in params.items() for name in leaves}
 
   with_bias, without = names(True), names(False)
@@ -104,13 +110,9 @@ def test_gpt_without_bias_has_no_bias_or_offset():
 
 def test_resuming_across_bias_says_which_flag_differs():
   from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
-  tokens = jnp.zeros((2, 9), jnp.int32)
 
   def shapes(bias):
-    cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
-                              d_model=8, bias=bias)
-    loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
-    return jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
+    return jax.eval_shape(tiny_gpt_loss(bias).init, jax.random.PRNGKey(0), TOKENS)
 
   for saved, wanted in ((True, False), (False, True)):
     with pytest.raises(checkpoint.CheckpointError, match="--bias"):
