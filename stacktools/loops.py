@@ -160,63 +160,6 @@ def map(f: Callable[[Any], Y], *,  # pylint: disable=redefined-builtin
   return run
 
 
-def nested_split(length: int, nested: Union[bool, int], *, carry_bytes: float = 1.0,
-                 layer_bytes: float = 0.0,
-                 largest_leaf_bytes: float = 0.0) -> tuple[int, int, int]:
-  """How a nested loop of ``length`` steps is split.
-
-  Example::
-
-    nested_split(61, True)   # (8, 7, 5): 8 chunks of 7 steps, then 5 steps
-
-  With ``nested=True`` the split minimises an estimate of the bytes the
-  backward pass holds at its peak:
-
-  * the carries: one per outer chunk, plus the ``inner`` carries of the
-    chunk being differentiated;
-  * the chunk's slice of ``xs`` and its gradient, ``2 * inner * layer_bytes``
-    (this is what makes nested worse than full when a layer's parameters are
-    much larger than its carry, unless chunks are kept short);
-  * with a remainder, the gradient of its slice of ``xs`` is padded to the
-    full length one leaf at a time: ``length * largest_leaf_bytes``.
-
-  With the default sizes this counts carries alone.
-
-  Args:
-    length: the number of steps.
-    nested: ``True`` to choose the split, or an int number of full outer
-      chunks, at most ``length``.
-    carry_bytes: the size of the carry.
-    layer_bytes: the size of one step's slice of ``xs``.
-    largest_leaf_bytes: the size of the largest leaf of one step's slice.
-
-  Returns:
-    ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
-    ``outer`` chunks of ``inner`` steps, then one chunk of ``remainder``
-    steps when ``remainder > 0``.
-
-  Raises:
-    ValueError: when ``nested`` is an int larger than ``length``.
-  """
-  if length < 1:
-    raise ValueError(f"A nested loop needs length >= 1, got {length}.")
-  if nested is True:
-    def peak_bytes(inner):
-      outer, remainder = divmod(length, inner)
-      has_rem = remainder > 0
-      estimate = (carry_bytes * (outer + has_rem + inner) +
-                  2 * layer_bytes * max(inner, remainder) +
-                  has_rem * length * largest_leaf_bytes)
-      return estimate, has_rem, abs(inner - outer)
-    inner = min(range(1, length + 1), key=peak_bytes)
-    outer, remainder = divmod(length, inner)
-    return outer, inner, remainder
-  _checks.check_nested_outer(nested, length)
-  outer = int(nested)
-  inner, remainder = divmod(length, outer)
-  return outer, inner, remainder
-
-
 # ---------------------------------------------------------------------------
 # The loop itself.
 
@@ -256,7 +199,7 @@ def _loop_segment(step, init, xs, n, policy, unroll, reverse):
 def _nested_loop(step, init, xs, n, policy, unroll, reverse):
   layer_leaf_bytes = [_checks.nbytes(a, skip_leading=True)
                       for a in jax.tree_util.tree_leaves(xs)]
-  outer, inner, remainder = nested_split(
+  outer, inner, remainder = policy_lib.split_nested(
       n, policy.nested,
       carry_bytes=sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(init)) or 1,
       layer_bytes=sum(layer_leaf_bytes), largest_leaf_bytes=max(layer_leaf_bytes, default=0))

@@ -40,7 +40,7 @@ from jax import lax
 from stacktools import _checks
 from stacktools import _kinds
 from stacktools import _layers
-from stacktools import loops
+from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
 PyTree = Any
@@ -218,7 +218,7 @@ class _Runner:
           f"per_depth segment) has {count} whole periods of "
           f"{self.pattern.period} layers. Use nested=True, or an outer size "
           f"between 1 and {count}.")
-    outer, inner, remainder = loops.nested_split(
+    outer, inner, remainder = policy_lib.split_nested(
         count, policy.nested,
         carry_bytes=sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(x)) or 1,
         layer_bytes=sum(_checks.nbytes(a, skip_leading=True)

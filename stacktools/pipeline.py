@@ -144,6 +144,27 @@ class Pipeline:
           f"Use microbatches >= {stages}, or schedule='gpipe'.")
     return num_layers // chunks
 
+  def table(self, stages: int) -> "Schedule":
+    """The tick-by-stage table this pipeline runs over ``stages`` stages.
+
+    Example::
+
+      st.Pipeline(microbatches=8).table(4).bubble                  # 3 / 11
+      st.Pipeline(microbatches=8, schedule="circular",
+                  repeats=2).table(4).bubble                       # 3 / 19
+
+    Args:
+      stages: P, the size of the pipe axis.
+
+    Returns:
+      A :class:`Schedule` of ``[ticks, stages]`` arrays (see :func:`schedule`).
+    """
+    count = _checks.as_int(stages)
+    if count is None or count < 1:
+      raise ValueError(f"st.Pipeline.table: stages must be an int >= 1, got "
+                       f"{_checks.describe(stages)}.")
+    return schedule(count, self.microbatches, self.repeats)
+
 
 # ---------------------------------------------------------------------------
 # The schedule, as data: what every stage does at every tick.
@@ -170,10 +191,12 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
   microbatch ``j % microbatches``. There are ``repeats * microbatches +
   stages - 1`` ticks, so the bubble is ``(P-1) / (R*M + P-1)``.
 
+  :meth:`Pipeline.table` is the public way in.
+
   Example::
 
-    st.pipeline_schedule(4, 8).bubble            # 3 / 11
-    st.pipeline_schedule(4, 8, repeats=2).bubble  # 3 / 19
+    schedule(4, 8).bubble            # 3 / 11
+    schedule(4, 8, repeats=2).bubble  # 3 / 19
 
   Args:
     stages: P, the pipe axis size.

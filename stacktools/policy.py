@@ -262,6 +262,40 @@ class CheckpointPolicy:
         f"remat={remat!r} is not a checkpoint policy. Accepted: False, None, "
         f"True, {', '.join(map(repr, REMAT_ALIASES))}, or a CheckpointPolicy.")
 
+  def __str__(self) -> str:
+    """The alias this policy is (``"nested"``), or its non-default fields."""
+    for alias, known in REMAT_ALIASES.items():
+      if self == known:
+        return alias
+    defaults = CheckpointPolicy()
+    fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+              if getattr(self, f.name) != getattr(defaults, f.name)]
+    return f"CheckpointPolicy({', '.join(fields)})"
+
+  def nested_split(self, length: int) -> tuple[int, int, int]:
+    """How this policy's ``nested`` splits a loop of ``length`` steps.
+
+    Example::
+
+      st.CheckpointPolicy(nested=True).nested_split(61)   # (8, 7, 5)
+
+    Args:
+      length: the number of steps.
+
+    Returns:
+      ``(outer, inner, remainder)``: ``outer`` chunks of ``inner`` steps, then
+      one chunk of ``remainder`` steps when ``remainder > 0`` (see
+      :func:`split_nested`, which also weighs the sizes of carries and inputs).
+
+    Raises:
+      ValueError: when the policy is not nested, or its outer size exceeds
+        ``length``.
+    """
+    if not self.nested:
+      raise ValueError(f"{self} is not nested, so it does not split a loop; "
+                       "use CheckpointPolicy(nested=True) or an outer size.")
+    return split_nested(length, self.nested)
+
   def inner(self) -> "CheckpointPolicy":
     """This policy for one step of the inner loop of a nested loop."""
     return dataclasses.replace(self, nested=False)
@@ -384,3 +418,64 @@ REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
     "save_all": CheckpointPolicy(save_carries=True, save_inputs=True,
                                  save_block_internals=True),
 })
+
+
+def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 1.0,
+                 layer_bytes: float = 0.0,
+                 largest_leaf_bytes: float = 0.0) -> tuple[int, int, int]:
+  """How a nested loop of ``length`` steps is split.
+
+  Example::
+
+    split_nested(61, True)   # (8, 7, 5): 8 chunks of 7 steps, then 5 steps
+
+  With ``nested=True`` the split minimises an estimate of the bytes the
+  backward pass holds at its peak:
+
+  * the carries: one per outer chunk, plus the ``inner`` carries of the
+    chunk being differentiated;
+  * the chunk's slice of ``xs`` and its gradient, ``2 * inner * layer_bytes``
+    (this is what makes nested worse than full when a layer's parameters are
+    much larger than its carry, unless chunks are kept short);
+  * with a remainder, the gradient of its slice of ``xs`` is padded to the
+    full length one leaf at a time: ``length * largest_leaf_bytes``.
+
+  With the default sizes this counts carries alone.
+
+  Args:
+    length: the number of steps.
+    nested: ``True`` to choose the split, or an int number of full outer
+      chunks, at most ``length``.
+    carry_bytes: the size of the carry.
+    layer_bytes: the size of one step's slice of ``xs``.
+    largest_leaf_bytes: the size of the largest leaf of one step's slice.
+
+  Returns:
+    ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
+    ``outer`` chunks of ``inner`` steps, then one chunk of ``remainder``
+    steps when ``remainder > 0``.
+
+  Raises:
+    ValueError: when ``nested`` is an int larger than ``length``.
+  """
+  if length < 1:
+    raise ValueError(f"A nested loop needs length >= 1, got {length}.")
+  if nested is True:
+    def peak_bytes(inner):
+      outer, remainder = divmod(length, inner)
+      has_rem = remainder > 0
+      estimate = (carry_bytes * (outer + has_rem + inner) +
+                  2 * layer_bytes * max(inner, remainder) +
+                  has_rem * length * largest_leaf_bytes)
+      return estimate, has_rem, abs(inner - outer)
+    inner = min(range(1, length + 1), key=peak_bytes)
+    outer, remainder = divmod(length, inner)
+    return outer, inner, remainder
+  if nested > length:
+    raise ValueError(
+        f"CheckpointPolicy(nested={nested}) asks for {nested} outer chunks, but "
+        f"the loop has only {length} steps. Use nested=True to let stacktools "
+        f"choose the split, or an outer size between 1 and {length}.")
+  outer = int(nested)
+  inner, remainder = divmod(length, outer)
+  return outer, inner, remainder

@@ -285,6 +285,32 @@ class RematReport:
       title += f"; budget {format_bytes(self.budget)}"
     return "\n".join([title, fmt(header)] + [fmt(c) for c in lines])
 
+  def plan(self, *, budget: Union[int, str], by_time: bool = True) -> Any:
+    """The plan :func:`stacktools.plan_remat` would choose from this report.
+
+    Example::
+
+      report = st.remat_report(train_step, params, batch, measure=True)
+      plan = report.plan(budget="48MiB")
+      with plan:
+        step = jax.jit(train_step).lower(params, batch).compile()
+
+    Args:
+      budget: the most compiled temp memory, as bytes or e.g. ``"48MiB"``.
+      by_time: choose the fastest measured plan (the report must be
+        measured); otherwise the one with the fewest FLOPs.
+
+    Returns:
+      The :class:`stacktools.plan.RematPlan`.
+
+    Raises:
+      ValueError: when no candidate fits: names the smallest achievable
+        temp memory and its plan.
+    """
+    # plan.py builds on this module; imported here, where a plan is asked for.
+    from stacktools import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    return plan_lib.RematPlan.from_report(self, budget=budget, by_time=by_time)
+
   def to_json(self) -> dict[str, Any]:
     return {"budget_bytes": self.budget,
             "compile_seconds": self.compile_seconds,

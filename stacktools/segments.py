@@ -73,7 +73,7 @@ class Segment(NamedTuple):
   policy: policy_lib.CheckpointPolicy
 
 
-def per_depth(*segments: tuple[int, policy_lib.RematSpec]) -> PerDepth:
+def per_depth(*segments: Union[tuple[int, policy_lib.RematSpec], str]) -> PerDepth:
   """Per-depth checkpoint policies: consecutive segments of one stack.
 
   The segments run in order as consecutive loops over slices of the *same*
@@ -85,11 +85,15 @@ def per_depth(*segments: tuple[int, policy_lib.RematSpec]) -> PerDepth:
 
     remat = st.per_depth((16, "none"), (48, "full"))   # keep all in 16 layers
     blocks = st.Stacked(Block, num_layers=64, remat=remat, name="h")
+    st.per_depth("none:16,full:48")                     # the same, from a flag
+
+  ``str()`` of the result is the string form, so it round-trips through a flag.
 
   Args:
     *segments: ``(num_layers, remat)`` pairs; ``remat`` is any alias or
       :class:`CheckpointPolicy` (``"nested"`` included). The counts must add
-      up to the stack's length.
+      up to the stack's length. Or one string of comma-separated
+      ``alias:num_layers`` parts.
 
   Returns:
     A value accepted wherever ``remat=`` is.
@@ -98,6 +102,8 @@ def per_depth(*segments: tuple[int, policy_lib.RematSpec]) -> PerDepth:
     ValueError: for no segments, a count below 1, or a remat that is itself
       per-depth or ``"auto"``.
   """
+  if len(segments) == 1 and isinstance(segments[0], str):
+    return parse_per_depth(segments[0])
   if not segments:
     raise ValueError("st.per_depth needs at least one (num_layers, remat) segment, "
                      "e.g. st.per_depth((16, 'none'), (48, 'full')).")
@@ -125,7 +131,7 @@ def parse_per_depth(spec: str) -> PerDepth:
 
   Example::
 
-    st.parse_per_depth("none:16,full:48")
+    parse_per_depth("none:16,full:48")   # what st.per_depth("none:16,full:48") does
 
   Args:
     spec: comma-separated ``alias:num_layers`` pairs.
