@@ -10,15 +10,54 @@ same thing about the same mistake.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import difflib
 import math
 import operator
+import threading
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 PyTree = Any
+
+
+# ---------------------------------------------------------------------------
+# Who is speaking: the public entry point that was called.
+
+_local = threading.local()
+
+
+def _subjects() -> list[str]:
+  if not hasattr(_local, "subjects"):
+    _local.subjects = []
+  return _local.subjects
+
+
+@contextlib.contextmanager
+def subject(name: str) -> Iterator[None]:
+  """Makes ``name`` (``"Stacked"``, ``"layer_stack"``) the subject of errors.
+
+  A public entry point sets it once; every check below reads it with
+  :func:`where`, so no helper has to be told who called it.
+  """
+  _subjects().append(name)
+  try:
+    yield
+  finally:
+    _subjects().pop()
+
+
+def who() -> str:
+  """The innermost public entry point being run (``""`` outside one)."""
+  return _subjects()[-1] if _subjects() else ""
+
+
+def where() -> str:
+  """``"Stacked: "``, the prefix of an error message, or ``""``."""
+  return f"{who()}: " if who() else ""
 
 
 # ---------------------------------------------------------------------------
@@ -81,17 +120,17 @@ def as_int(value: Any) -> Optional[int]:
     return None
 
 
-def check_num_layers(num_layers: Any, owner: str) -> int:
+def check_num_layers(num_layers: Any) -> int:
   """An int (numpy ints too) >= 1, returned as a Python int."""
   value = as_int(num_layers)
   if value is None:
-    raise TypeError(f"{owner}: num_layers must be an int >= 1, got {num_layers!r}.")
+    raise TypeError(f"{where()}num_layers must be an int >= 1, got {num_layers!r}.")
   if value < 1:
-    raise ValueError(f"{owner}: num_layers must be >= 1, got {value}.")
+    raise ValueError(f"{where()}num_layers must be >= 1, got {value}.")
   return value
 
 
-def check_unroll(unroll: Any, owner: str = "") -> Union[int, bool]:
+def check_unroll(unroll: Any) -> Union[int, bool]:
   """An int >= 1 (numpy ints too), or a bool as ``jax.lax.scan`` takes it."""
   if isinstance(unroll, bool):
     return unroll
@@ -99,8 +138,7 @@ def check_unroll(unroll: Any, owner: str = "") -> Union[int, bool]:
     value = as_int(unroll)
     if value is not None and value >= 1:
       return value
-  where = f"{owner}: " if owner else ""
-  raise ValueError(f"{where}unroll={unroll!r} is not accepted: use an int >= 1 "
+  raise ValueError(f"{where()}unroll={unroll!r} is not accepted: use an int >= 1 "
                    "(steps per rolled loop iteration) or True to unroll fully.")
 
 
@@ -112,19 +150,9 @@ def check_length(length: Any) -> int:
   return value
 
 
-def check_nested_outer(nested: Any, length: int, owner: str = "") -> None:
-  """An explicit outer-loop size must not exceed the loop's length."""
-  if nested is True or nested is False or nested <= length:
-    return
-  where = f"{owner}: " if owner else ""
-  raise ValueError(
-      f"{where}CheckpointPolicy(nested={nested}) asks for {nested} outer chunks, "
-      f"but the loop has only {length} steps. Use nested=True to let stacktools "
-      f"choose the split, or an outer size between 1 and {length}.")
-
-
-def check_factory(make_block: Any, owner: str) -> None:
+def check_factory(make_block: Any) -> None:
   """``make_block`` must be a factory, not a block instance."""
+  owner = who()
   # Imported here so that the pure-JAX loops, which share this module, do not
   # pull in Haiku.
   import haiku as hk  # pylint: disable=g-import-not-at-top
@@ -246,9 +274,13 @@ def check_carry(carry: PyTree, new_carry: PyTree) -> None:
           "one it was given.")
 
 
-def split_block_output(out: Any, x: PyTree, kind: str, owner: str) -> tuple[Any, Any]:
-  """``(new_x, y)`` from a stacked block's output, checked against its kind."""
-  if kind == "fold":
+def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
+  """``(new_x, y)`` from a stacked block's output, checked against the mode.
+
+  The mode is ``"fold"`` (the block returns ``x``) or ``"scan"`` (``(x, y)``).
+  """
+  owner = who()
+  if mode == "fold":
     if returned_a_pair_for_a_fold(x, out):
       raise TypeError(
           f"{owner}.fold: the block returned a pair (x, y), but a fold block "

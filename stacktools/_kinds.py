@@ -20,7 +20,7 @@ For ``num_layers=8`` and ``pattern=("L", "L", "G")``::
   rank   0 1 0 2 3 1 4 5      (the layer's index among its kind's layers)
   a period's runs: (L, 2 layers), (G, 1 layer); the partial period: (L, 2)
 
-This module is the layout and its checks (no Haiku, no loops); ``periods.py``
+This module is the layout and its checks (no Haiku, no loops); ``loops.py``
 runs the layers, ``_layers.py`` builds one :class:`Pattern` per stack.
 """
 
@@ -104,19 +104,34 @@ class Pattern:
 
   @classmethod
   def build(cls, make_block: Any, pattern: Any, num_layers: int,
-            ys_by_kind: Optional[bool], owner: str) -> Optional["Pattern"]:
+            ys_by_kind: Optional[bool]) -> Optional["Pattern"]:
     """The stack's pattern, or ``None`` for a stack of one block (checked)."""
     if pattern is None and not hasattr(make_block, "items"):
-      _checks.check_factory(make_block, owner)
+      _checks.check_factory(make_block)
       if ys_by_kind is not None:
-        raise ValueError(f"{owner}: ys_by_kind= is for a mixed-layer stack "
+        raise ValueError(f"{_checks.where()}ys_by_kind= is for a mixed-layer stack "
                          f"(pattern=...); drop it, or give a pattern, {EXAMPLE}.")
       return None
-    kinds = check_kinds(make_block, pattern, owner)
+    kinds = check_kinds(make_block, pattern)
     if ys_by_kind not in (None, True, False):
-      raise ValueError(f"{owner}: ys_by_kind={ys_by_kind!r}: use None (per kind "
+      raise ValueError(f"{_checks.where()}ys_by_kind={ys_by_kind!r}: use None (per kind "
                        "only when the kinds' outputs differ), True or False.")
     return cls(dict(make_block), kinds, num_layers, ys_by_kind)
+
+  @classmethod
+  def uniform(cls, num_layers: int, kind: str) -> "Pattern":
+    """The layout of a loop of one kind: period 1, every layer ``kind``."""
+    return cls({kind: None}, (kind,), num_layers)
+
+  @property
+  def is_plain(self) -> bool:
+    """Whether this is a stack of one block (made by :meth:`uniform`)."""
+    return all(factory is None for factory in self.factories.values())
+
+  @property
+  def is_uniform(self) -> bool:
+    """Whether every layer is of one kind."""
+    return len(set(self.kinds)) == 1
 
   # Where each layer sits.
 
@@ -177,14 +192,15 @@ class Pattern:
 
   # Blocks and their inputs.
 
-  def block_call(self, kind: str, how: str, owner: str) -> Callable[..., Any]:
-    """Calls ``kind``'s block; checks that it keeps the carry."""
+  def block_call(self, kind: str, mode: str) -> Callable[..., Any]:
+    """Calls ``kind``'s block in ``mode`` (fold or scan); checks that it keeps
+    the carry."""
     factory = self.factories[kind]
 
     def call(x, *args, **kwargs):
       out = factory()(x, *args, **kwargs)
-      new_x, _ = _checks.split_block_output(out, x, how, owner)
-      check_kind_carry(x, new_x, kind, owner)
+      new_x, _ = _checks.split_block_output(out, x, mode)
+      check_kind_carry(x, new_x, kind)
       return out
 
     return call
@@ -194,8 +210,11 @@ class Pattern:
                   kind: str) -> dict[str, PyTree]:
     """Per-layer and per-kind arguments of ``kind``'s layers, in kind order."""
     ids = self.layer_ids(kind)
-    out = {key: jax.tree_util.tree_map(lambda a: a[ids], value)
-           for key, value in sliced.items()}
+    if self.is_uniform:   # every layer, in order: no gather
+      out = dict(sliced)
+    else:
+      out = {key: jax.tree_util.tree_map(lambda a: a[ids], value)
+             for key, value in sliced.items()}
     out.update({key: trees[kind] for key, trees in by_kind.items()})
     return out
 
@@ -212,7 +231,7 @@ class Pattern:
 
   # Outputs.
 
-  def outputs(self, ys: Mapping[str, PyTree], owner: str) -> PyTree:
+  def outputs(self, ys: Mapping[str, PyTree]) -> PyTree:
     """Scan outputs from each kind's, in kind order, to what the stack returns.
 
     In layer order (a leading ``num_layers`` axis) when every kind's outputs
@@ -223,13 +242,15 @@ class Pattern:
     names = [kind for kind in self.names if kind in ys]
     if self.ys_by_kind:
       return {kind: ys[kind] for kind in names}
+    if self.is_uniform:   # already in layer order
+      return ys[names[0]]
     signatures = {kind: jax.tree_util.tree_map(_layer_signature, ys[kind])
                   for kind in names}
     differ = [kind for kind in names if signatures[kind] != signatures[names[0]]]
     if differ:
       if self.ys_by_kind is False:
         raise ValueError(
-            f"{owner}.scan: the {names[0]!r} and {differ[0]!r} blocks return "
+            f"{_checks.who()}.scan: the {names[0]!r} and {differ[0]!r} blocks return "
             f"outputs of different shapes ({signatures[names[0]]} and "
             f"{signatures[differ[0]]} per layer), so they cannot be stacked in "
             "layer order; drop ys_by_kind=False to get them per kind.")
@@ -239,12 +260,12 @@ class Pattern:
     return jax.tree_util.tree_map(
         lambda *parts: jnp.concatenate(parts)[where], *[ys[kind] for kind in names])
 
-  def collect(self, ys: Sequence[PyTree], owner: str) -> PyTree:
+  def collect(self, ys: Sequence[PyTree]) -> PyTree:
     """:meth:`outputs` from a list of each layer's output, in layer order."""
     by_kind = {kind: jax.tree_util.tree_map(
         lambda *a: jnp.stack(a), *[ys[i] for i in self.layer_ids(kind)])
                for kind in self.names}
-    return self.outputs(by_kind, owner)
+    return self.outputs(by_kind)
 
 
 def _layer_signature(leaf: Any) -> str:
@@ -257,14 +278,14 @@ def _layer_signature(leaf: Any) -> str:
 # Checks. The pattern's own live here, beside the layout they check.
 
 
-def check_kinds(make_block: Any, pattern: Any, owner: str) -> tuple[str, ...]:
+def check_kinds(make_block: Any, pattern: Any) -> tuple[str, ...]:
   """The pattern as a tuple of kinds, each with a factory in ``make_block``."""
   import haiku as hk  # pylint: disable=g-import-not-at-top
   if not hasattr(make_block, "items") or pattern is None:
     given = ("no pattern=" if pattern is None else
              f"make_block={_checks.describe(make_block)}")
     raise TypeError(
-        f"{owner}: a mixed-layer stack needs both make_block as a mapping from "
+        f"{_checks.where()}a mixed-layer stack needs both make_block as a mapping from "
         "each kind's name to its factory ({'local': make_local, 'global': "
         f"make_global}}) and pattern=, the kinds of one period ({EXAMPLE}); "
         f"got {given}.")
@@ -272,32 +293,32 @@ def check_kinds(make_block: Any, pattern: Any, owner: str) -> tuple[str, ...]:
     if not isinstance(kind, str) or not kind.isidentifier() or (
         kind.startswith("layer_") and kind[6:].isdigit()):
       raise ValueError(
-          f"{owner}: the kind {kind!r} cannot name a module: a kind is a Python "
+          f"{_checks.where()}the kind {kind!r} cannot name a module: a kind is a Python "
           "identifier (its parameters live under <stack>/<kind>/), and not "
           "layer_<i>, which names a layer of the per-layer layout.")
     if isinstance(factory, hk.Module) or not callable(factory):
       raise TypeError(
-          f"{owner}: make_block[{kind!r}] is {_checks.describe(factory)}; each "
+          f"{_checks.where()}make_block[{kind!r}] is {_checks.describe(factory)}; each "
           "kind needs a factory (a class or a lambda) that makes its block "
           f"inside the stack, e.g. {{{kind!r}: lambda: Block(...)}}.")
   if isinstance(pattern, str) and pattern in make_block and len(pattern) > 1:
     raise ValueError(
-        f"{owner}: pattern={pattern!r} is a string, read as one kind per letter; "
+        f"{_checks.where()}pattern={pattern!r} is a string, read as one kind per letter; "
         f"for a period of one {pattern!r} layer write pattern=({pattern!r},).")
   try:
     kinds = tuple(pattern)
   except TypeError:
-    raise TypeError(f"{owner}: pattern={pattern!r} must be a sequence of kinds, "
+    raise TypeError(f"{_checks.where()}pattern={pattern!r} must be a sequence of kinds, "
                     f"{EXAMPLE}.") from None
   if not kinds:
-    raise ValueError(f"{owner}: pattern= is empty; give the kinds of one period, "
+    raise ValueError(f"{_checks.where()}pattern= is empty; give the kinds of one period, "
                      f"{EXAMPLE}.")
   for kind in kinds:
     if kind not in make_block:
       close = difflib.get_close_matches(str(kind), [str(k) for k in make_block], n=1)
       hint = f" Did you mean {close[0]!r}?" if close else ""
       raise ValueError(
-          f"{owner}: pattern= names the kind {kind!r}, which has no factory; "
+          f"{_checks.where()}pattern= names the kind {kind!r}, which has no factory; "
           f"make_block has {sorted(make_block)}.{hint} Add a factory for it or "
           "fix the pattern.")
   return kinds
@@ -330,11 +351,11 @@ def check_per_kind(trees: Any, counts: Mapping[str, int], label: str) -> None:
             "layer of its kind on its leading axis, in layer order.")
 
 
-def check_kind_carry(carry: PyTree, new_carry: PyTree, kind: str, owner: str) -> None:
+def check_kind_carry(carry: PyTree, new_carry: PyTree, kind: str) -> None:
   """Every kind returns a carry like the one it was given: they share it."""
   try:
     _checks.check_carry(carry, new_carry)
   except TypeError as e:
     raise TypeError(
-        f"{owner}: the {kind!r} block does not keep the carry. {e} In a "
+        f"{_checks.where()}the {kind!r} block does not keep the carry. {e} In a "
         "mixed-layer stack every kind reads and returns the one carry.") from None

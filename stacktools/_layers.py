@@ -134,8 +134,7 @@ class BlockArguments:
   """
 
   def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any],
-               num_layers: int, owner: str,
-               pattern: Optional[_kinds.Pattern] = None):
+               num_layers: int, pattern: Optional[_kinds.Pattern] = None):
     self._args = tuple(args)
     self._kwargs = dict(kwargs)
     self.sliced: dict[str, PyTree] = {}
@@ -147,15 +146,17 @@ class BlockArguments:
                else f"keyword argument {key[3:]!r}")
       if isinstance(arg, PerLayer):
         self.sliced[key] = arg.value
-        _checks.check_leading_axis(arg.value, num_layers, f"{owner}: per_layer {label}")
+        _checks.check_leading_axis(arg.value, num_layers,
+                                   f"{_checks.where()}per_layer {label}")
       elif isinstance(arg, _kinds.PerKind):
         if pattern is None:
           raise TypeError(
-              f"{owner}: st.per_kind marks {label} per kind of a pattern, but "
+              f"{_checks.where()}st.per_kind marks {label} per kind of a pattern, but "
               "this stack has no pattern=; use st.per_layer for a per-layer "
               "input of a stack of one block.")
         self.by_kind[key] = arg.value
-        _kinds.check_per_kind(arg.value, pattern.counts, f"{owner}: per_kind {label}")
+        _kinds.check_per_kind(arg.value, pattern.counts,
+                              f"{_checks.where()}per_kind {label}")
 
   def bind(self, sliced: Mapping[str, PyTree]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with per-layer ones replaced by one layer's slice."""
@@ -249,17 +250,45 @@ class LayerResult(NamedTuple):
 
 
 def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
-                kind: str, owner: str) -> tuple[PyTree, LayerResult]:
+                mode: str) -> tuple[PyTree, LayerResult]:
   """Applies one layer to the carry: the body of every stack's loop."""
   with at_layer(layer.index):
     out, new_state = inner.apply(layer.params, layer.state, layer.rng, x,
                                  layer.sliced)
-  new_x, y = _checks.split_block_output(out, x, kind, owner)
+  new_x, y = _checks.split_block_output(out, x, mode)
   return new_x, LayerResult(y, new_state)
 
 
 # ---------------------------------------------------------------------------
 # The module both stacks are.
+
+
+def kind_tags(pattern: _kinds.Pattern, inners: Mapping[str, hk.TransformedWithState],
+              x: PyTree, arguments: BlockArguments) -> dict[str, set[str]]:
+  """The names each kind's block tags with ``checkpoint_name``.
+
+  Traced from the block's init at the kind's first layer (never run), so it
+  needs no parameters: ``BlockSeq`` asks before any exist.
+  """
+  tags = {}
+  for kind in pattern.names:
+    first = int(pattern.layer_ids(kind)[0])
+
+    def init(x, sliced, inner=inners[kind], first=first):
+      with at_layer(jax.numpy.asarray(first, jax.numpy.int32)):
+        return inner.init(jax.random.PRNGKey(0), x, sliced)
+
+    tags[kind] = _checks.names_tagged_in(
+        init, x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, first))
+  return tags
+
+
+# ---------------------------------------------------------------------------
+# The module both stacks are.
+
+#: The kind of every layer of a stack of one block: its pattern is this one
+#: kind, period 1.
+BLOCK = "block"
 
 
 class StackModule(hk.Module):
@@ -274,17 +303,15 @@ class StackModule(hk.Module):
                pattern: Optional[Sequence[str]] = None,
                ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
     super().__init__(name=name)
-    owner = type(self).__name__
-    self.num_layers = _checks.check_num_layers(num_layers, owner)
-    # None for a stack of one block; a mixed-layer stack's kinds otherwise.
-    self.pattern = _kinds.Pattern.build(make_block, pattern, self.num_layers,
-                                        ys_by_kind, owner)
+    with _checks.subject(type(self).__name__):
+      self.num_layers = _checks.check_num_layers(num_layers)
+      # None for a stack of one block; a mixed-layer stack's kinds otherwise.
+      self.pattern = _kinds.Pattern.build(make_block, pattern, self.num_layers,
+                                          ys_by_kind)
+      # "auto" is keyed by this module's unique name, so that a plan tells
+      # several stacks apart.
+      self.remat = segments_lib.as_remat(remat, key=self.module_name)
     self.make_block = make_block
-    # "auto" is keyed by this module's unique name, so that a plan tells
-    # several stacks apart; anything else is checked against the depth now.
-    self.remat = segments_lib.as_remat(remat, key=self.module_name)
-    if not isinstance(self.remat, segments_lib.AutoRemat):
-      segments_lib.segments_for(self.remat, self.num_layers, owner=owner)
     self.reverse = reverse
 
   def fold(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
@@ -299,7 +326,7 @@ class StackModule(hk.Module):
     Returns:
       ``x`` after the last layer.
     """
-    x, _ = self._apply(x, args, kwargs, kind="fold")
+    x, _ = self._apply(x, args, kwargs, mode="fold")
     return x
 
   def scan(self, x: PyTree, *args: Any, **kwargs: Any) -> tuple[PyTree, PyTree]:
@@ -314,14 +341,15 @@ class StackModule(hk.Module):
       ``(x, ys)``: ``x`` after the last layer and every layer's ``y`` stacked
       on a leading ``num_layers`` axis.
     """
-    return self._apply(x, args, kwargs, kind="scan")
+    return self._apply(x, args, kwargs, mode="scan")
 
-  def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
-                 arguments: BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
+  def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                 arguments: BlockArguments, pattern: _kinds.Pattern,
+                 mode: str) -> tuple[PyTree, PyTree]:
     """Inits and applies every layer; returns ``(x, ys)`` (``ys`` None for a fold).
 
-    ``inner`` is one transform, or ``{kind: transform}`` for a stack with a
-    pattern.
+    ``inners`` holds one transform per kind of ``pattern``; a stack of one
+    block has the pattern of one kind, :data:`BLOCK`, period 1.
 
     Haiku scopes the modules a method creates under ``~<method>``, so an
     override is decorated with ``@StackModule.layer_scope`` to keep the
@@ -335,29 +363,20 @@ class StackModule(hk.Module):
   # Named like __call__ so that fold and scan create the same parameter names
   # (Haiku would otherwise scope modules made inside fold under "~fold").
   @hk.experimental.name_like("__call__")
-  def _apply(self, x, args, kwargs, *, kind):
+  def _apply(self, x, args, kwargs, *, mode):
     owner = type(self).__name__
-    if isinstance(x, (PerLayer, _kinds.PerKind)):
-      raise TypeError(f"{owner}.{kind}: the carry x cannot be per_layer; only "
-                      "the arguments after it can be.")
-    arguments = BlockArguments(args, kwargs, self.num_layers, owner, self.pattern)
-    if self.pattern is not None:   # one inner transform per kind
-      inners = {name: make_inner(self.pattern.block_call(name, kind, owner), arguments)
-                for name in self.pattern.names}
-      return self.run_layers(inners, x, arguments, kind)
+    with _checks.subject(owner):
+      if isinstance(x, (PerLayer, _kinds.PerKind)):
+        raise TypeError(f"{owner}.{mode}: the carry x cannot be per_layer; only "
+                        "the arguments after it can be.")
+      arguments = BlockArguments(args, kwargs, self.num_layers, self.pattern)
+      if self.pattern is not None:   # one inner transform per kind
+        inners = {name: make_inner(self.pattern.block_call(name, mode), arguments)
+                  for name in self.pattern.names}
+        return self.run_layers(inners, x, arguments, self.pattern, mode)
 
-    def block_call(x, *a, **k):
-      return self.make_block()(x, *a, **k)
+      def block_call(x, *a, **k):
+        return self.make_block()(x, *a, **k)
 
-    return self.run_layers(make_inner(block_call, arguments), x, arguments, kind)
-
-  def remat_now(self) -> segments_lib.Remat:
-    """The remat to trace with: ``"auto"`` needs no plan at init.
-
-    Init is never differentiated, so no policy changes it; a plan is made
-    from initialised parameters, so init cannot wait for one.
-    """
-    if (isinstance(self.remat, segments_lib.AutoRemat) and hk.running_init()
-        and not segments_lib.plan_active()):
-      return policy_lib.REMAT_ALIASES["none"]
-    return self.remat
+      return self.run_layers({BLOCK: make_inner(block_call, arguments)}, x, arguments,
+                             _kinds.Pattern.uniform(self.num_layers, BLOCK), mode)

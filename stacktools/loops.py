@@ -17,7 +17,8 @@ at the end rather than a worse split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, TypeVar, Union
 
 import jax
@@ -25,12 +26,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from stacktools import _checks
+from stacktools import _kinds
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
 Carry = TypeVar("Carry")
 Y = TypeVar("Y")
 PyTree = Any
+Step = Callable[[PyTree, Any], tuple[PyTree, Any]]
 
 
 def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
@@ -73,8 +76,9 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
     return new_carry, None
 
   def run(init: Carry, xs: PyTree = None) -> Carry:
-    n = _checks.loop_length(xs, length)
-    carry, _ = _loop(step, init, xs, n, remat, unroll, reverse)
+    with _checks.subject("st.fold"):
+      n = _checks.loop_length(xs, length)
+      carry, _ = loop(step, init, xs, n, remat, unroll, reverse)
     return carry
 
   return run
@@ -124,8 +128,9 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
     return new_carry, y
 
   def run(init: Carry, xs: PyTree = None) -> tuple[Carry, Y]:
-    n = _checks.loop_length(xs, length)
-    return _loop(step, init, xs, n, remat, unroll, reverse)
+    with _checks.subject("st.scan"):
+      n = _checks.loop_length(xs, length)
+      return loop(step, init, xs, n, remat, unroll, reverse)
 
   return run
 
@@ -161,82 +166,262 @@ def map(f: Callable[[Any], Y], *,  # pylint: disable=redefined-builtin
 
 
 # ---------------------------------------------------------------------------
-# The loop itself.
+# The engine: every loop over layers runs here.
+
+#: The one kind of a loop that has no pattern.
+LAYER = "layer"
 
 
-def _loop(step, init, xs, n, remat, unroll, reverse):
-  """Runs the loop segment by segment (one segment unless ``per_depth``)."""
+def _single(length: int) -> _kinds.Pattern:
+  return _kinds.Pattern.uniform(length, LAYER)
+
+
+def loop(step: Step, init: PyTree, xs: PyTree, n: int, remat: Any,
+         unroll: Union[int, bool] = 1, reverse: bool = False) -> tuple[PyTree, PyTree]:
+  """A loop of one kind, ``n`` steps, through the engine: ``(carry, ys)``.
+
+  What ``st.fold``/``st.scan`` and each pipeline stage run.
+  """
   if n == 0:
     return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
-
-  def probe():   # the names the body tags, for a plan that discovers loops
-    first = jax.tree_util.tree_map(lambda a: a[0], xs)
-    return _checks.names_tagged_in(step, init, first)
-
-  segments = segments_lib.segments_for(remat, n, probe=probe)
-  if len(segments) == 1:
-    return _loop_segment(step, init, xs, n, segments[0].policy, unroll, reverse)
-  # Consecutive loops over static slices of the same xs: the caller's xs and
-  # ys keep one leading axis, as for a single policy.
-  ys = [None] * len(segments)
-  carry = init
-  for i in (reversed(range(len(segments))) if reverse else range(len(segments))):
-    start, length, policy = segments[i]
-    part = jax.tree_util.tree_map(lambda a: a[start:start + length], xs)  # pylint: disable=cell-var-from-loop
-    carry, ys[i] = _loop_segment(step, carry, part, length, policy, unroll, reverse)
-  return carry, jax.tree_util.tree_map(lambda *p: jnp.concatenate(p), *ys)
+  pattern, steps, kind_xs = _single(n), {LAYER: step}, {LAYER: xs}
+  plan = plan_for(steps, init, kind_xs, pattern, remat, reverse=reverse)
+  carry, ys = run(steps, init, kind_xs, pattern, plan, unroll=unroll)
+  return carry, ys[LAYER]
 
 
-def _loop_segment(step, init, xs, n, policy, unroll, reverse):
-  if policy.disable:
-    return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
-  if not policy.nested:
-    return lax.scan(policy.checkpoint_step(step), init, xs, length=n,
-                    reverse=reverse, unroll=unroll)
-  return _nested_loop(step, init, xs, n, policy, unroll, reverse)
+def plan_for(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
+             pattern: _kinds.Pattern, remat: Any, *, reverse: bool = False,
+             init: bool = False) -> segments_lib.LoopPlan:
+  """The loop plan of ``remat`` for these steps and inputs.
+
+  Gives :func:`stacktools.segments.plan_loop` what only the loop's values
+  tell: the names the blocks tag (for a plan that discovers loops) and the
+  sizes a nested split weighs.
+
+  Args:
+    steps: each kind's ``step(x, layer_slice) -> (x, out)``.
+    x: the carry.
+    xs: each kind's inputs, in kind order (leading axis: the kind's count).
+    pattern: the layout (one kind, period 1, for a plain loop).
+    remat: any ``remat=`` value.
+    reverse: run from the last layer to the first.
+    init: whether Haiku is initialising (``"auto"`` then needs no plan).
+
+  Returns:
+    The plan :func:`run` takes.
+  """
+  def first(kind):
+    return jax.tree_util.tree_map(lambda a: a[0], xs[kind])
+
+  def probe():
+    return set().union(*(_checks.names_tagged_in(steps[k], x, first(k)) for k in steps))
+
+  def sizes():
+    carry_bytes = sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(x)) or 1
+    leaves = [pattern.per_period(k) * _checks.nbytes(a, skip_leading=True)
+              for k in xs for a in jax.tree_util.tree_leaves(xs[k])]
+    return carry_bytes, sum(leaves), max(leaves, default=0)
+
+  return segments_lib.plan_loop(remat, pattern.num_layers, period=pattern.period,
+                                reverse=reverse, init=init, probe=probe, sizes=sizes)
 
 
-def _nested_loop(step, init, xs, n, policy, unroll, reverse):
-  layer_leaf_bytes = [_checks.nbytes(a, skip_leading=True)
-                      for a in jax.tree_util.tree_leaves(xs)]
-  outer, inner, remainder = policy_lib.split_nested(
-      n, policy.nested,
-      carry_bytes=sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(init)) or 1,
-      layer_bytes=sum(layer_leaf_bytes), largest_leaf_bytes=max(layer_leaf_bytes, default=0))
-  inner_step = policy.inner().checkpoint_step(step)
+def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
+        pattern: _kinds.Pattern, plan: segments_lib.LoopPlan, *,
+        unroll: Union[int, bool] = 1,
+        tags: Optional[Mapping[str, set[str]]] = None) -> tuple[PyTree, dict[str, PyTree]]:
+  """Runs every layer of a loop plan; pure JAX.
 
-  def run_chunk(carry, chunk_xs, size):
-    return lax.scan(inner_step, carry, chunk_xs, length=size, reverse=reverse,
-                    unroll=unroll)
+  A segment's layers run as a partial period (static runs), its whole
+  periods (one ``lax.scan``, or a nested loop of checkpointed chunks) and a
+  partial period again; inside a period each run of one kind is a
+  ``lax.scan`` (a run of one layer is applied directly). The program holds
+  one period's runs at most three times per segment, whatever the depth. A
+  loop of one kind has period 1: each segment is one scan over its layers.
 
-  # Each chunk is cut from the full xs inside the outer loop (a dynamic
-  # slice), rather than reshaping or splitting xs up front: a split copy of
-  # xs, and of its gradient, would cost as much memory as the carries saved.
-  def outer_step(carry, chunk_index):
-    start = chunk_index * inner
-    chunk_xs = jax.tree_util.tree_map(
-        lambda a: lax.dynamic_slice_in_dim(a, start, inner, axis=0), xs)
-    return run_chunk(carry, chunk_xs, inner)
+  Args:
+    steps: each kind's ``step(x, layer_slice) -> (x, out)``.
+    x: the carry.
+    xs: each kind's inputs, in kind order (leading axis: the kind's count).
+    pattern: the layout.
+    plan: from :func:`plan_for`.
+    unroll: periods per rolled iteration of the period loop; ``True``
+      unrolls every loop.
+    tags: the names each kind's block tags (see
+      :func:`stacktools.segments.step_policy`); needed when a policy of a
+      loop of several kinds saves or offloads named internals.
 
-  def main_part(carry):
-    carry, ys = lax.scan(policy.checkpoint_chunk(outer_step), carry,
-                         jnp.arange(outer), reverse=reverse)
-    return carry, jax.tree_util.tree_map(
-        lambda y: y.reshape((outer * inner,) + y.shape[2:]), ys)
+  Returns:
+    ``(x, {kind: outs})``, each kind's outputs in kind order.
+  """
+  runner = _Runner(steps, xs, pattern, unroll, plan.reverse, tags)
+  for segment in plan.in_order():
+    x = runner.layers(x, segment)
+  return x, runner.results()
 
-  def remainder_part(carry):
-    rem_xs = jax.tree_util.tree_map(lambda a: a[outer * inner:], xs)
-    return policy.checkpoint_chunk(lambda c, x: run_chunk(c, x, remainder))(
-        carry, rem_xs)
 
-  if not remainder:
-    return main_part(init)
-  if reverse:
-    carry, ys_rem = remainder_part(init)
-    carry, ys_main = main_part(carry)
-  else:
-    carry, ys_main = main_part(init)
-    carry, ys_rem = remainder_part(carry)
-  ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=0),
-                              ys_main, ys_rem)
-  return carry, ys
+def _rows(tree: PyTree, start: int, stop: int) -> PyTree:
+  """Every leaf's rows ``[start, stop)`` (no slice when that is all of it)."""
+  def cut(a):
+    return a if (start, stop) == (0, a.shape[0]) else a[start:stop]
+  return jax.tree_util.tree_map(cut, tree)
+
+
+def _flat_rows(tree: PyTree) -> PyTree:
+  """``[outer, inner, ...]`` -> ``[outer * inner, ...]`` on every leaf."""
+  return jax.tree_util.tree_map(
+      lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
+
+
+def _concat(parts: Sequence[PyTree]) -> PyTree:
+  if len(parts) == 1:
+    return parts[0]
+  return jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *parts)
+
+
+class _Runner:
+  """Runs the segments of one loop; gathers each kind's outputs by rank."""
+
+  def __init__(self, steps: Mapping[str, Step], xs: Mapping[str, PyTree],
+               pattern: _kinds.Pattern, unroll: Union[int, bool], reverse: bool,
+               tags: Optional[Mapping[str, set[str]]]):
+    self.steps, self.xs, self.pattern = steps, xs, pattern
+    self.unroll, self.reverse, self.tags = unroll, reverse, tags
+    self.pieces: dict[str, list[tuple[int, PyTree]]] = {k: [] for k in xs}
+
+  def _order(self, items):
+    return list(reversed(items)) if self.reverse else list(items)
+
+  def _run(self, x, kind, run_xs, length, policy, looped):
+    """One run: a scan over ``length`` consecutive layers of one kind.
+
+    ``run_xs`` leads with ``length``; for a run of one layer it is that
+    layer's own slice, applied directly (no loop: it compiles faster).
+    """
+    step = segments_lib.step_policy(policy, kind, self.tags,
+                                    looped=looped or length > 1).checkpoint_step(
+                                        self.steps[kind])
+    if length > 1:
+      return lax.scan(step, x, run_xs, length=length, reverse=self.reverse,
+                      unroll=self.unroll is True or 1)
+    return step(x, run_xs)
+
+  def runs(self, x, runs, policy):
+    """Runs at the loop's own indices (a partial period): static slices."""
+    for run in self._order(runs):
+      rows = self.xs[run.kind]
+      if run.length == 1:
+        x, out = self._run(x, run.kind, jax.tree_util.tree_map(lambda a: a[run.rank], rows),  # pylint: disable=cell-var-from-loop
+                           1, policy, looped=False)
+        out = jax.tree_util.tree_map(lambda a: a[None], out)
+      else:
+        x, out = self._run(x, run.kind, _rows(rows, run.rank, run.rank + run.length),
+                           run.length, policy, looped=False)
+      self.pieces[run.kind].append((run.rank, out))
+    return x
+
+  def periods(self, x, first, stop, segment):
+    """Whole periods ``[first, stop)``: one loop, nested when the plan says.
+
+    The loop reads each run's own rows of its kind's arrays, ``[periods,
+    run length, ...]`` (``[periods, ...]`` for a run of one layer): a free
+    reshape when the kind has one run per period. The body then reads its
+    slice of the loop's inputs unchanged, so the backward pass reads it from
+    those inputs instead of saving a copy of it per period.
+    """
+    count, pattern = stop - first, self.pattern
+    per = {k: pattern.per_period(k) for k in self.xs if pattern.per_period(k)}
+    runs = pattern.runs(0, pattern.period)   # start/rank within one period
+
+    def run_rows(run, a):
+      c = per[run.kind]
+      a = a[first * c:stop * c] if (first, stop * c) != (0, a.shape[0]) else a
+      if run.length == c:    # the kind's one run of the period
+        return a if c == 1 else a.reshape((count, c) + a.shape[1:])
+      a = a.reshape((count, c) + a.shape[1:])
+      return a[:, run.rank] if run.length == 1 else a[:, run.rank:run.rank + run.length]
+
+    period_xs = [jax.tree_util.tree_map(functools.partial(run_rows, run), self.xs[run.kind])
+                 for run in runs]
+
+    def one_period(x, xs):
+      outs = [None] * len(runs)
+      for j in self._order(range(len(runs))):
+        x, outs[j] = self._run(x, runs[j].kind, xs[j], runs[j].length,
+                               segment.policy, looped=True)
+      return x, outs
+
+    if segment.split is None:
+      x, outs = lax.scan(one_period, x, period_xs, length=count,
+                         reverse=self.reverse, unroll=self.unroll)
+    else:
+      x, outs = self._nested(x, one_period, period_xs, segment)
+    for kind, c in per.items():
+      mine = [(run, out) for run, out in zip(runs, outs) if run.kind == kind]
+      if len(mine) == 1:
+        out = mine[0][1]
+        out = out if c == 1 else _flat_rows(out)
+      else:   # [periods, run length, ...] side by side, in rank order
+        parts = [jax.tree_util.tree_map(lambda a: a[:, None], o) if run.length == 1 else o  # pylint: disable=cell-var-from-loop
+                 for run, o in mine]
+        out = _flat_rows(jax.tree_util.tree_map(
+            lambda *a: jnp.concatenate(a, axis=1), *parts))
+      self.pieces[kind].append((first * c, out))
+    return x
+
+  def _nested(self, x, one_period, period_xs, segment):
+    """Periods in checkpointed chunks: keeps ~2*sqrt(periods) carries."""
+    policy = segment.policy
+    outer, inner, remainder = segment.split
+
+    def run_chunk(carry, chunk_xs, size):
+      return lax.scan(one_period, carry, chunk_xs, length=size, reverse=self.reverse,
+                      unroll=self.unroll)
+
+    # Each chunk is cut from the whole period_xs inside the outer loop (a
+    # dynamic slice), rather than reshaping or splitting them up front: a
+    # split copy of the inputs, and of their gradient, would cost as much
+    # memory as the carries saved.
+    def outer_step(carry, chunk_index):
+      start = chunk_index * inner
+      chunk_xs = jax.tree_util.tree_map(
+          lambda a: lax.dynamic_slice_in_dim(a, start, inner, axis=0), period_xs)
+      return run_chunk(carry, chunk_xs, inner)
+
+    def main_part(carry):
+      carry, ys = lax.scan(policy.checkpoint_chunk(outer_step), carry,
+                           jnp.arange(outer), reverse=self.reverse)
+      return carry, _flat_rows(ys)
+
+    def remainder_part(carry):
+      rem_xs = jax.tree_util.tree_map(lambda a: a[outer * inner:], period_xs)
+      return policy.checkpoint_chunk(lambda c, x: run_chunk(c, x, remainder))(
+          carry, rem_xs)
+
+    if not remainder:
+      return main_part(x)
+    outs = []
+    for part in self._order([main_part, remainder_part]):
+      x, out = part(x)
+      outs.append(out)
+    return x, jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], axis=0),
+                                     *self._order(outs))
+
+  def layers(self, x, segment):
+    """A segment's layers: a partial period, whole periods, a partial."""
+    start, stop = segment.start, segment.start + segment.length
+    p = self.pattern.period
+    first, last = -(-start // p), stop // p    # whole periods [first, last)
+    if first >= last:
+      return self.runs(x, self.pattern.runs(start, stop), segment.policy)
+    parts = [lambda x: self.runs(x, self.pattern.runs(start, first * p), segment.policy),
+             lambda x: self.periods(x, first, last, segment),
+             lambda x: self.runs(x, self.pattern.runs(last * p, stop), segment.policy)]
+    for part in self._order(parts):
+      x = part(x)
+    return x
+
+  def results(self) -> dict[str, PyTree]:
+    return {k: _concat([out for _, out in sorted(v, key=lambda p: p[0])])
+            for k, v in self.pieces.items() if v}

@@ -124,21 +124,21 @@ class Pipeline:
           "jax.sharding.Mesh(devices, names).")
     return size
 
-  def check(self, num_layers: int, stages: int, owner: str = "Stacked") -> int:
+  def check(self, num_layers: int, stages: int) -> int:
     """Checks the stack's depth against the mesh; returns the layers per chunk."""
     chunks = stages * self.repeats
     if num_layers % chunks:
       fits = [p * self.repeats for p in range(1, num_layers + 1)
               if num_layers % (p * self.repeats) == 0]
       raise ValueError(
-          f"{owner}: num_layers={num_layers} cannot be split into {stages} stages "
+          f"{_checks.where()}num_layers={num_layers} cannot be split into {stages} stages "
           f"x {self.repeats} repeats = {chunks} equal chunks. Make num_layers a "
           f"multiple of {chunks}, or change the {self.axis!r} axis size or "
           f"repeats (with repeats={self.repeats}, stages x repeats may be "
           f"{fits}).")
     if self.schedule == "circular" and self.microbatches < stages:
       raise ValueError(
-          f"{owner}: a circular schedule needs at least as many microbatches as "
+          f"{_checks.where()}a circular schedule needs at least as many microbatches as "
           f"stages (a microbatch must be back at the first stage before its next "
           f"repeat), got microbatches={self.microbatches} for {stages} stages. "
           f"Use microbatches >= {stages}, or schedule='gpipe'.")
@@ -234,7 +234,7 @@ def from_stages(tree: PyTree) -> PyTree:
   return jax.tree_util.tree_map(one, tree)
 
 
-def split_microbatches(tree: PyTree, microbatches: int, owner: str) -> PyTree:
+def split_microbatches(tree: PyTree, microbatches: int) -> PyTree:
   """``[B, ...] -> [M, B/M, ...]``, microbatch ``m`` the rows ``m, m+M, ...``.
 
   Strided rather than contiguous: a batch sharded over a data axis in
@@ -244,7 +244,7 @@ def split_microbatches(tree: PyTree, microbatches: int, owner: str) -> PyTree:
   def one(path, a):
     if a.ndim == 0 or a.shape[0] % microbatches:
       raise ValueError(
-          f"{owner}: the pipeline cuts the carry's leading (batch) axis into "
+          f"{_checks.where()}the pipeline cuts the carry's leading (batch) axis into "
           f"{microbatches} microbatches, but {_checks.path_str('x', path)} has "
           f"shape {tuple(a.shape)}. Make the batch size a multiple of "
           f"microbatches={microbatches} (times the data axis size, when the batch "
@@ -294,7 +294,7 @@ class StageLayers(NamedTuple):
 def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
         layers: StageLayers, make_slice: Callable[..., Any], *,
         pipeline: Pipeline, stages: int, policy: policy_lib.CheckpointPolicy,
-        unroll: Any, owner: str = "Stacked") -> tuple[PyTree, PyTree, PyTree]:
+        unroll: Any) -> tuple[PyTree, PyTree, PyTree]:
   """Runs ``body`` over every layer as a pipeline; returns ``(x, ys, state)``.
 
   Args:
@@ -308,7 +308,6 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
     stages: P (> 1).
     policy: the checkpoint policy of every layer.
     unroll: the stack's unroll, for each stage's scan over its layers.
-    owner: for error messages.
 
   Returns:
     ``x`` after the last layer, the stacked ``ys`` (``[L, B, ...]``; ``None``
@@ -317,7 +316,7 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
   micro, repeats = pipeline.microbatches, pipeline.repeats
   table = schedule(stages, micro, repeats)
   axis = pipeline.axis
-  xs = split_microbatches(x, micro, owner)
+  xs = split_microbatches(x, micro)
   staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, repeats), pipeline)
   shift = [(s, (s + 1) % stages) for s in range(stages)]
 
@@ -340,8 +339,8 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
       return body(carry, layer)
 
     chunk_size = local.index.shape[1]
-    return loops.scan(layer_step, remat=policy, unroll=unroll)(
-        x_in, (jnp.arange(chunk_size), state))
+    return loops.loop(layer_step, x_in, (jnp.arange(chunk_size), state), chunk_size,
+                      policy, unroll)
 
   def probe_ys():
     local = jax.tree_util.tree_map(lambda a: a[0], staged)
@@ -355,7 +354,7 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
     # [K, mb, ...]: each layer's y must be per example to be put back together.
     if leaf.ndim < 2 or leaf.shape[1] != mb_size:
       raise ValueError(
-          f"{owner}: under a pipeline each layer's output y is computed per "
+          f"{_checks.where()}under a pipeline each layer's output y is computed per "
           f"microbatch and put back together along the batch axis, so every leaf "
           f"must have the batch as its leading axis; "
           f"{_checks.path_str('y', path)} has per-layer shape {tuple(leaf.shape[1:])} "

@@ -300,6 +300,15 @@ class CheckpointPolicy:
     """This policy for one step of the inner loop of a nested loop."""
     return dataclasses.replace(self, nested=False)
 
+  def outside_loop(self) -> "CheckpointPolicy":
+    """This policy for a step that runs outside any loop.
+
+    Outside a loop XLA would merge the recomputation with the forward pass
+    (common subexpression elimination) and keep everything, so a checkpoint
+    there must prevent it.
+    """
+    return self if self.disable else dataclasses.replace(self, prevent_cse=True)
+
   def jax_policy(self) -> Callable[..., Any]:
     """The ``jax.checkpoint_policies`` entry this policy maps onto."""
     cp = jax.checkpoint_policies
@@ -421,8 +430,8 @@ REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
 
 
 def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 1.0,
-                 layer_bytes: float = 0.0,
-                 largest_leaf_bytes: float = 0.0) -> tuple[int, int, int]:
+                 layer_bytes: float = 0.0, largest_leaf_bytes: float = 0.0,
+                 period: int = 1) -> tuple[int, int, int]:
   """How a nested loop of ``length`` steps is split.
 
   Example::
@@ -449,6 +458,8 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
     carry_bytes: the size of the carry.
     layer_bytes: the size of one step's slice of ``xs``.
     largest_leaf_bytes: the size of the largest leaf of one step's slice.
+    period: the layers in one step (a mixed-layer stack loops over periods
+      of its pattern), for the error message.
 
   Returns:
     ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
@@ -472,9 +483,15 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
     outer, remainder = divmod(length, inner)
     return outer, inner, remainder
   if nested > length:
+    if period == 1:
+      asked, has = "", f"the loop has only {length} steps"
+    else:
+      asked = " of whole periods"
+      has = (f"the stack (or this per_depth segment) has {length} whole periods "
+             f"of {period} layers")
     raise ValueError(
-        f"CheckpointPolicy(nested={nested}) asks for {nested} outer chunks, but "
-        f"the loop has only {length} steps. Use nested=True to let stacktools "
+        f"{_checks.where()}CheckpointPolicy(nested={nested}) asks for {nested} "
+        f"outer chunks{asked}, but {has}. Use nested=True to let stacktools "
         f"choose the split, or an outer size between 1 and {length}.")
   outer = int(nested)
   inner, remainder = divmod(length, outer)

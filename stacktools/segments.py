@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
 from stacktools import _checks
@@ -48,7 +48,7 @@ class PerDepth:
     return sum(count for count, _ in self.segments)
 
   def __str__(self) -> str:
-    return ",".join(f"{describe_policy(p)}:{count}" for count, p in self.segments)
+    return ",".join(f"{p}:{count}" for count, p in self.segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +66,40 @@ Remat = Union[policy_lib.CheckpointPolicy, PerDepth, AutoRemat]
 
 
 class Segment(NamedTuple):
-  """A run of consecutive layers ``[start, start + length)`` with one policy."""
+  """A run of consecutive layers ``[start, start + length)`` under one policy.
+
+  ``split`` is the loop's shape: ``None`` for a flat loop (one ``lax.scan``
+  over the segment's periods), or ``(outer, inner, remainder)`` for a nested
+  one: ``outer`` checkpointed chunks of ``inner`` whole periods, then one of
+  ``remainder``.
+  """
 
   start: int
   length: int
   policy: policy_lib.CheckpointPolicy
+  split: Optional[tuple[int, int, int]] = None
+
+
+class LoopPlan(NamedTuple):
+  """How a loop over layers runs: its segments in layer order.
+
+  ``period`` is the length of the pattern a mixed-layer stack repeats (1 for
+  a stack of one block, whose pattern is one kind); ``reverse`` runs the
+  segments, and the layers in each, from last to first.
+  """
+
+  segments: tuple[Segment, ...]
+  period: int = 1
+  reverse: bool = False
+
+  def in_order(self) -> tuple[Segment, ...]:
+    """The segments in the order they run."""
+    return tuple(reversed(self.segments)) if self.reverse else self.segments
+
+  @property
+  def saves_names(self) -> bool:
+    """Whether a segment's policy saves or offloads named block internals."""
+    return any(segment.policy.named_internals() for segment in self.segments)
 
 
 def per_depth(*segments: Union[tuple[int, policy_lib.RematSpec], str]) -> PerDepth:
@@ -150,27 +179,6 @@ def parse_per_depth(spec: str) -> PerDepth:
   return per_depth(*segments)
 
 
-def describe_policy(policy: policy_lib.CheckpointPolicy) -> str:
-  """The alias a policy is, or a short description of its fields."""
-  for alias, known in policy_lib.REMAT_ALIASES.items():
-    if policy == known:
-      return alias
-  defaults = policy_lib.CheckpointPolicy()
-  fields = [f"{f.name}={getattr(policy, f.name)!r}"
-            for f in dataclasses.fields(policy)
-            if getattr(policy, f.name) != getattr(defaults, f.name)]
-  return f"CheckpointPolicy({', '.join(fields)})"
-
-
-def describe_remat(remat: Remat) -> str:
-  """A short, readable form of any remat value, for logs and reports."""
-  if isinstance(remat, PerDepth):
-    return f"per_depth({remat})"
-  if isinstance(remat, AutoRemat):
-    return AUTO
-  return describe_policy(remat)
-
-
 def as_remat(remat: Any, *, key: Optional[str] = None) -> Remat:
   """Checks any ``remat=`` value; ``"auto"`` becomes an :class:`AutoRemat`."""
   if isinstance(remat, (PerDepth, AutoRemat)):
@@ -220,45 +228,98 @@ def plan_context(context: PlanContext) -> Iterator[PlanContext]:
     _contexts().pop()
 
 
-def segments_for(remat: Any, length: int, *, owner: str = "",
-                 probe: Optional[Callable[[], set[str]]] = None) -> tuple[Segment, ...]:
-  """The segments a loop of ``length`` steps runs with ``remat``.
+#: ``sizes()`` for a nested split: the carry's bytes, the bytes of one
+#: period's inputs, and the largest of those inputs' leaves (see
+#: :func:`stacktools.policy.split_nested`).
+Sizes = Callable[[], tuple[float, float, float]]
+
+
+def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
+              reverse: bool = False, init: bool = False,
+              probe: Optional[Callable[[], set[str]]] = None,
+              sizes: Optional[Sizes] = None) -> LoopPlan:
+  """The one place a ``remat=`` value becomes how a loop runs.
+
+  In pseudo-code, the engine then runs::
+
+    for segment in plan.in_order():
+      for layers in partial period, whole periods (flat or nested), partial:
+        x = checkpointed steps of segment.policy over layers
 
   Args:
-    remat: any ``remat=`` value.
-    length: the number of steps (layers).
-    owner: who asks, for error messages (``"Stacked"``).
-    probe: returns the names the body tags, for a plan that discovers loops.
+    remat: any ``remat=`` value (alias, policy, :func:`per_depth`, ``"auto"``).
+    num_layers: the loop's length.
+    period: the pattern's length (1 for a stack of one block).
+    reverse: run from the last layer to the first.
+    init: whether Haiku is initialising. Init is never differentiated, so no
+      policy changes it, and a plan is made from initialised parameters, so
+      ``"auto"`` needs no plan there: it runs as ``"none"``.
+    probe: returns the names the blocks tag, for a plan that discovers loops.
+    sizes: the bytes a nested split weighs (default: carries alone).
 
   Returns:
-    Consecutive segments covering ``0..length-1`` in layer order.
+    The plan.
 
   Raises:
-    ValueError: when per-depth counts do not add up to ``length``, a nested
-      outer size exceeds its segment, or ``"auto"`` is used outside a plan.
+    ValueError: when per-depth counts do not add up to ``num_layers``, a
+      nested outer size exceeds its segment's whole periods, or ``"auto"`` is
+      used outside a plan.
   """
   remat = as_remat(remat)
-  where = f"{owner}: " if owner else ""
   if isinstance(remat, AutoRemat):
-    if not _contexts():
+    if _contexts():
+      remat = as_remat(_contexts()[-1].remat_for(remat.key, num_layers, probe or set))
+    elif init:
+      remat = policy_lib.REMAT_ALIASES["none"]
+    else:
       raise ValueError(
-          f"{where}remat='auto' needs a plan, and none is active. Make one and "
-          "trace inside it: plan = st.plan_remat(step_fn, *args, "
+          f"{_checks.where()}remat='auto' needs a plan, and none is active. Make "
+          "one and trace inside it: plan = st.plan_remat(step_fn, *args, "
           "budget='48MiB'); then `with plan:` around the first call (or "
           ".lower()) of the jitted step, since jax.jit traces at its first "
           "call; or jax.jit(plan.wrap(step_fn)). Or pick a policy: remat='full'.")
-    chosen = _contexts()[-1].remat_for(remat.key, length, probe or set)
-    return segments_for(chosen, length, owner=owner)
   if isinstance(remat, policy_lib.CheckpointPolicy):
-    _checks.check_nested_outer(remat.nested, length, owner)
-    return (Segment(0, length, remat),)
-  if remat.num_layers != length:
+    parts = ((num_layers, remat),)
+  elif remat.num_layers != num_layers:
     raise ValueError(
-        f"{where}st.per_depth({remat}) covers {remat.num_layers} layers, but the "
-        f"stack has {length}. Make the segment counts add up to {length}.")
+        f"{_checks.where()}st.per_depth({remat}) covers {remat.num_layers} "
+        f"layers, but the stack has {num_layers}. Make the segment counts add up "
+        f"to {num_layers}.")
+  else:
+    parts = remat.segments
   segments, start = [], 0
-  for count, policy in remat.segments:
-    _checks.check_nested_outer(policy.nested, count, owner)
-    segments.append(Segment(start, count, policy))
+  for count, policy in parts:
+    split = None
+    whole = (start + count) // period - -(-start // period)
+    if policy.nested and whole > 0:
+      carry_bytes, period_bytes, largest = sizes() if sizes else (1.0, 0.0, 0.0)
+      split = policy_lib.split_nested(
+          whole, policy.nested, carry_bytes=carry_bytes, layer_bytes=period_bytes,
+          largest_leaf_bytes=largest, period=period)
+    segments.append(Segment(start, count, policy, split))
     start += count
-  return tuple(segments)
+  return LoopPlan(tuple(segments), period, reverse)
+
+
+def step_policy(policy: policy_lib.CheckpointPolicy, kind: str,
+                tags: Optional[Mapping[str, set[str]]], *,
+                looped: bool) -> policy_lib.CheckpointPolicy:
+  """The policy one layer's step runs with, in a segment under ``policy``.
+
+  A nested policy's steps are its inner steps; a policy that names block
+  internals keeps, for ``kind``'s layers, the names that kind tags (``tags``:
+  kind -> names; ``None`` for one kind); a step outside a loop prevents
+  common subexpression elimination (see ``CheckpointPolicy.outside_loop``).
+  """
+  policy = policy.inner()
+  wanted = policy.named_internals()
+  if wanted and tags is not None and set(wanted) <= set().union(*tags.values()):
+    # A name that no kind tags is left in, so that the policy's own check
+    # names it.
+    def keep(names):
+      return tuple(n for n in names if n in tags[kind])
+    saved = policy.save_block_internals
+    policy = dataclasses.replace(
+        policy, save_block_internals=saved if isinstance(saved, bool) else keep(saved),
+        offload_block_internals=keep(policy.offload_block_internals))
+  return policy if looped else policy.outside_loop()

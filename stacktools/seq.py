@@ -14,17 +14,15 @@ unstacked parameters reproduces Stacked exactly, dropout included.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import haiku as hk
-import jax
 import jax.numpy as jnp
 
 from stacktools import _checks
+from stacktools import _kinds
 from stacktools import _layers
-from stacktools import periods
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -34,7 +32,7 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, kind, policy, owner):
+  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy):
     def init(key, x, sliced):
       with _layers.at_layer(index):
         return inner.init(key, x, sliced)
@@ -44,8 +42,7 @@ class _Layer(hk.Module):
     params, state = params_and_state(init_key, x, sliced)
 
     def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inner, carry, layer, kind=kind,
-                                              owner=owner)
+      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode)
       _checks.check_carry(carry, new_carry)
       return new_carry, result
 
@@ -98,43 +95,30 @@ class BlockSeq(_layers.StackModule):
                      pattern=pattern, ys_by_kind=ys_by_kind, name=name)
 
   @_layers.StackModule.layer_scope
-  def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
-                 arguments: _layers.BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
+  def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                 arguments: _layers.BlockArguments, pattern: _kinds.Pattern,
+                 mode: str) -> tuple[PyTree, PyTree]:
     n = self.num_layers
     # The same draws, in the same order, as Stacked.
     keys = _layers.draw_layer_keys(n)
-    # Each layer takes its segment's policy (one segment unless per_depth;
-    # a plan's choice for remat="auto", with no tagged names discovered).
-    policies = [None] * n
-    for segment in segments_lib.segments_for(self.remat_now(), n,
-                                             owner=type(self).__name__):
-      policy = segment.policy.inner()
-      if not policy.disable:
-        # Outside a loop XLA would merge the recomputation with the forward
-        # pass (common subexpression elimination) and keep everything.
-        policy = dataclasses.replace(policy, prevent_cse=True)
-      policies[segment.start:segment.start + segment.length] = [policy] * segment.length
-
-    ys = [None] * n
-    pattern = self.pattern
+    # The loop plan Stacked would run, walked one layer at a time (a plan's
+    # choice for remat="auto" comes with no tagged names discovered).
+    plan = segments_lib.plan_loop(self.remat, n, period=pattern.period,
+                                  reverse=self.reverse, init=hk.running_init())
     tags = None   # a named save applies to the kinds that tag the name
-    if pattern is not None and any(p.named_internals() for p in policies):
-      tags = periods.kind_tags(pattern, inner, x, arguments)
-    for i in (reversed(range(n)) if self.reverse else range(n)):
-      if pattern is None:
-        layer_inner = inner
-        sliced = jax.tree_util.tree_map(lambda a: a[i], arguments.sliced)  # pylint: disable=cell-var-from-loop
-      else:   # this layer's kind, and its slice of per-kind inputs
-        layer_inner = inner[pattern.kind_of(i)]
-        sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, i)
-        policies[i] = periods.kind_policy(policies[i], pattern.kind_of(i), tags)
-      x, ys[i] = _Layer(name=f"layer_{i}")(
-          layer_inner, x, sliced, index=jnp.asarray(i, jnp.int32),
-          init_key=None if keys.init is None else keys.init[i],
-          rng=None if keys.apply is None else keys.apply[i],
-          kind=kind, policy=policies[i], owner=type(self).__name__)
-    if kind == "fold":
+    if not pattern.is_uniform and plan.saves_names:
+      tags = _layers.kind_tags(pattern, inners, x, arguments)
+    ys = [None] * n
+    for segment in plan.in_order():
+      layers = range(segment.start, segment.start + segment.length)
+      for i in (reversed(layers) if self.reverse else layers):
+        kind = pattern.kind_of(i)
+        x, ys[i] = _Layer(name=f"layer_{i}")(
+            inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
+            index=jnp.asarray(i, jnp.int32),
+            init_key=None if keys.init is None else keys.init[i],
+            rng=None if keys.apply is None else keys.apply[i], mode=mode,
+            policy=segments_lib.step_policy(segment.policy, kind, tags, looped=False))
+    if mode == "fold":
       return x, None
-    if pattern is not None:
-      return x, pattern.collect(ys, type(self).__name__)
-    return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
+    return x, pattern.collect(ys)

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import haiku as hk
 import jax.numpy as jnp
 
 from stacktools import _checks
+from stacktools import _kinds
 from stacktools import _layers
 from stacktools import loops
-from stacktools import periods
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
@@ -35,46 +35,82 @@ from stacktools import segments as segments_lib
 PyTree = Any
 
 
-def run_stacked(inner: hk.TransformedWithState, x: PyTree,
-                arguments: _layers.BlockArguments, *, num_layers: int, kind: str,
-                remat: segments_lib.Remat, unroll: Union[int, bool],
-                reverse: bool, owner: str,
+class _KindParams(hk.Module):
+  """The scope of one kind's parameters and state: ``<stack>/<kind>/...``."""
+
+  def __call__(self, inner, init_keys, x, sliced, indices):
+    return _layers.lift_layers(inner, init_keys, x, sliced, indices)
+
+
+def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                arguments: _layers.BlockArguments, *, pattern: _kinds.Pattern,
+                mode: str, remat: Any, unroll: Union[int, bool], reverse: bool,
                 pipeline: Optional[pipeline_lib.Pipeline] = None) -> tuple[PyTree, PyTree]:
-  """Inits (vmapped) and applies (scanned) a stack; call inside a module.
+  """Inits (vmapped, per kind) and applies (the engine) a stack.
+
+  Call inside the stack's module. A stack of one block is the pattern of one
+  kind, period 1, whose parameters live directly under the stack's name; a
+  mixed-layer stack's kinds each live under ``<stack>/<kind>/``. Layer ``i``
+  gets the ``i``-th of the stack's per-layer keys at init and at apply, as in
+  ``BlockSeq``.
 
   With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
   the layers as that pipeline; init (never differentiated, never split) runs
-  them as a plain scan.
+  them as a plain stack.
   """
-  keys = _layers.draw_layer_keys(num_layers)
-  indices = jnp.arange(num_layers, dtype=jnp.int32)
-  params, state, updater = _layers.lift_layers(inner, keys.init, x,
-                                               arguments.sliced, indices)
+  n = pattern.num_layers
+  keys = _layers.draw_layer_keys(n)
+  xs, updaters = {}, {}
+  for kind in pattern.names:
+    ids = pattern.layer_ids(kind)
+    if len(ids) == n:   # every layer, in order
+      init_keys, apply_keys = keys.init, keys.apply
+      indices = jnp.arange(n, dtype=jnp.int32)
+    else:
+      init_keys = None if keys.init is None else keys.init[ids]
+      apply_keys = None if keys.apply is None else keys.apply[ids]
+      indices = jnp.asarray(ids, jnp.int32)
+    sliced = pattern.kind_inputs(arguments.sliced, arguments.by_kind, kind)
+    lift = _layers.lift_layers if pattern.is_plain else _KindParams(name=kind)
+    params, state, updaters[kind] = lift(inners[kind], init_keys, x, sliced, indices)
+    xs[kind] = _layers.LayerSlice(params=params, state=state, rng=apply_keys,
+                                  sliced=sliced, index=indices)
 
-  def body(carry, layer: _layers.LayerSlice):
-    return _layers.apply_layer(inner, carry, layer, kind=kind, owner=owner)
+  def step_of(kind):
+    def step(carry, layer: _layers.LayerSlice):
+      new_carry, result = _layers.apply_layer(inners[kind], carry, layer, mode=mode)
+      _checks.check_carry(carry, new_carry)
+      return new_carry, result
+    return step
 
-  layers = _layers.LayerSlice(params=params, state=state, rng=keys.apply,
-                              sliced=arguments.sliced, index=indices)
+  steps = {kind: step_of(kind) for kind in pattern.names}
+  plan = loops.plan_for(steps, x, xs, pattern, remat, reverse=reverse,
+                        init=hk.running_init())
   stages = pipeline.stages() if pipeline is not None else 1
   if stages > 1 and not hk.running_init():
-    pipeline.check(num_layers, stages, owner)
-    segments = segments_lib.segments_for(remat, num_layers, owner=owner)
-    if len(segments) > 1:
+    pipeline.check(n, stages)
+    if len(plan.segments) > 1:
       raise ValueError(
-          f"{owner}: a pipelined stack runs every stage with one checkpoint "
-          f"policy, but remat gives {len(segments)} per-depth segments. Pass one "
-          "policy (e.g. remat='full' or 'nested'), or run without a pipeline.")
+          f"{_checks.where()}a pipelined stack runs every stage with one "
+          f"checkpoint policy, but remat gives {len(plan.segments)} per-depth "
+          "segments. Pass one policy (e.g. remat='full' or 'nested'), or run "
+          "without a pipeline.")
+    (kind,) = pattern.names
     x, ys, new_state = pipeline_lib.run(
-        body, x, pipeline_lib.StageLayers(*layers), _layers.LayerSlice,
-        pipeline=pipeline, stages=stages, policy=segments[0].policy,
-        unroll=unroll, owner=owner)
-    updater.update(new_state)
+        steps[kind], x, pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
+        pipeline=pipeline, stages=stages, policy=plan.segments[0].policy,
+        unroll=unroll)
+    updaters[kind].update(new_state)
     return x, ys
-  x, results = loops.scan(body, length=num_layers, remat=remat, unroll=unroll,
-                          reverse=reverse)(x, layers)
-  updater.update(results.state)
-  return x, results.y
+  tags = None   # a named save applies to the kinds that tag the name
+  if not pattern.is_uniform and plan.saves_names:
+    tags = _layers.kind_tags(pattern, inners, x, arguments)
+  x, results = loops.run(steps, x, xs, pattern, plan, unroll=unroll, tags=tags)
+  for kind in pattern.names:
+    updaters[kind].update(results[kind].state)
+  if mode == "fold":
+    return x, None
+  return x, pattern.outputs({k: r.y for k, r in results.items()})
 
 
 # ---------------------------------------------------------------------------
@@ -143,20 +179,16 @@ class Stacked(_layers.StackModule):
                name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
                      pattern=pattern, ys_by_kind=ys_by_kind, name=name)
-    self.unroll = _checks.check_unroll(unroll, type(self).__name__)
-    self.pipeline = _check_pipeline(pipeline, pattern, reverse)
+    with _checks.subject(type(self).__name__):
+      self.unroll = _checks.check_unroll(unroll)
+      self.pipeline = _check_pipeline(pipeline, pattern, reverse)
 
   @_layers.StackModule.layer_scope
-  def run_layers(self, inner: hk.TransformedWithState, x: PyTree,
-                 arguments: _layers.BlockArguments, kind: str) -> tuple[PyTree, PyTree]:
-    if self.pattern is not None:
-      return periods.run_patterned(
-          inner, x, arguments, pattern=self.pattern, kind=kind,
-          remat=self.remat_now(), unroll=self.unroll, reverse=self.reverse,
-          owner=type(self).__name__)
-    return run_stacked(inner, x, arguments, num_layers=self.num_layers,
-                       kind=kind, remat=self.remat_now(), unroll=self.unroll,
-                       reverse=self.reverse, owner=type(self).__name__,
+  def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                 arguments: _layers.BlockArguments, pattern: _kinds.Pattern,
+                 mode: str) -> tuple[PyTree, PyTree]:
+    return run_stacked(inners, x, arguments, pattern=pattern, mode=mode,
+                       remat=self.remat, unroll=self.unroll, reverse=self.reverse,
                        pipeline=self.pipeline)
 
 
@@ -187,15 +219,13 @@ def _check_pipeline(pipeline: Any, pattern: Any,
 class _LayerStackScope(hk.Module):
   """The module hk.layer_stack's parameters live under; runs one call."""
 
-  def __call__(self, block_call, x, arguments, **config):
-    if isinstance(config["remat"], segments_lib.AutoRemat):
-      # A plan tells stacks apart by their unique module name; init needs
-      # no plan (see StackModule.remat_now).
-      config["remat"] = segments_lib.AutoRemat(self.module_name)
-      if hk.running_init() and not segments_lib.plan_active():
-        config["remat"] = policy_lib.REMAT_ALIASES["none"]
-    return run_stacked(_layers.make_inner(block_call, arguments), x, arguments,
-                       **config)
+  def __call__(self, block_call, x, arguments, *, remat, **config):
+    if isinstance(remat, segments_lib.AutoRemat):
+      # A plan tells stacks apart by their unique module name.
+      remat = segments_lib.AutoRemat(self.module_name)
+    with _checks.subject("layer_stack"):
+      return run_stacked({_layers.BLOCK: _layers.make_inner(block_call, arguments)},
+                         x, arguments, remat=remat, **config)
 
 
 def _check_no_varargs(f: Callable[..., Any]) -> None:
@@ -250,27 +280,29 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
     A decorator: ``layer_stack(...)(f)`` is the stacked function, called with
     ``f``'s arguments and an optional ``reverse=`` keyword.
   """
-  num_layers = _checks.check_num_layers(num_layers, "layer_stack")
-  remat = segments_lib.as_remat(remat)
-  unroll = _checks.check_unroll(unroll, "layer_stack")
+  with _checks.subject("layer_stack"):
+    num_layers = _checks.check_num_layers(num_layers)
+    remat = segments_lib.as_remat(remat)
+    unroll = _checks.check_unroll(unroll)
   if not name:
     name = ("__layer_stack_with_per_layer" if with_per_layer_inputs
             else "__layer_stack_no_per_layer")
-  config = dict(num_layers=num_layers, remat=remat, unroll=unroll,
-                owner="layer_stack")
+  config = dict(pattern=_kinds.Pattern.uniform(num_layers, _layers.BLOCK),
+                remat=remat, unroll=unroll)
 
   def iterate(f):
     if with_per_layer_inputs:
       @functools.wraps(f)
       def wrapped(x, *ys, reverse: bool = False):
         kw = {"reverse": reverse} if pass_reverse_to_layer_fn else {}
-        arguments = _layers.BlockArguments(
-            [_layers.PerLayer(y) for y in ys], {}, num_layers, "layer_stack")
+        with _checks.subject("layer_stack"):
+          arguments = _layers.BlockArguments(
+              [_layers.PerLayer(y) for y in ys], {}, num_layers)
 
         def block_call(x, *layer_ys):
           return f(x, *layer_ys, **kw)
 
-        return _LayerStackScope(name=name)(block_call, x, arguments, kind="scan",
+        return _LayerStackScope(name=name)(block_call, x, arguments, mode="scan",
                                            reverse=reverse, **config)
       return wrapped
 
@@ -286,8 +318,8 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
         return (out,) if len(carry) == 1 else out
 
       carry, _ = _LayerStackScope(name=name)(
-          block_call, tuple(args), _layers.BlockArguments((), {}, num_layers, "layer_stack"),
-          kind="fold", reverse=reverse, **config)
+          block_call, tuple(args), _layers.BlockArguments((), {}, num_layers),
+          mode="fold", reverse=reverse, **config)
       return carry[0] if len(args) == 1 else carry
 
     return wrapped
