@@ -192,7 +192,9 @@ def loop(step: Step, init: PyTree, xs: PyTree, n: int, remat: Any,
 
 def plan_for(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
              pattern: _kinds.Pattern, remat: Any, *, reverse: bool = False,
-             init: bool = False) -> segments_lib.LoopPlan:
+             init: bool = False,
+             tags: Optional[Callable[[], Mapping[str, set[str]]]] = None
+             ) -> segments_lib.LoopPlan:
   """The loop plan of ``remat`` for these steps and inputs.
 
   Gives :func:`stacktools.segments.plan_loop` what only the loop's values
@@ -207,6 +209,8 @@ def plan_for(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
     remat: any ``remat=`` value.
     reverse: run from the last layer to the first.
     init: whether Haiku is initialising (``"auto"`` then needs no plan).
+    tags: returns the names each kind's block tags (see
+      :func:`stacktools.segments.plan_loop`).
 
   Returns:
     The plan :func:`run` takes.
@@ -223,14 +227,14 @@ def plan_for(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
               for k in xs for a in jax.tree_util.tree_leaves(xs[k])]
     return carry_bytes, sum(leaves), max(leaves, default=0)
 
-  return segments_lib.plan_loop(remat, pattern.num_layers, period=pattern.period,
-                                reverse=reverse, init=init, probe=probe, sizes=sizes)
+  return segments_lib.plan_loop(remat, pattern.num_layers, kinds=pattern.names,
+                                period=pattern.period, reverse=reverse, init=init,
+                                probe=probe, sizes=sizes, tags=tags)
 
 
 def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
         pattern: _kinds.Pattern, plan: segments_lib.LoopPlan, *,
-        unroll: Union[int, bool] = 1,
-        tags: Optional[Mapping[str, set[str]]] = None) -> tuple[PyTree, dict[str, PyTree]]:
+        unroll: Union[int, bool] = 1) -> tuple[PyTree, dict[str, PyTree]]:
   """Runs every layer of a loop plan; pure JAX.
 
   A segment's layers run as a partial period (static runs), its whole
@@ -248,14 +252,11 @@ def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
     plan: from :func:`plan_for`.
     unroll: periods per rolled iteration of the period loop; ``True``
       unrolls every loop.
-    tags: the names each kind's block tags (see
-      :func:`stacktools.segments.step_policy`); needed when a policy of a
-      loop of several kinds saves or offloads named internals.
 
   Returns:
     ``(x, {kind: outs})``, each kind's outputs in kind order.
   """
-  runner = _Runner(steps, xs, pattern, unroll, plan.reverse, tags)
+  runner = _Runner(steps, xs, pattern, unroll, plan.reverse)
   for segment in plan.in_order():
     x = runner.layers(x, segment)
   return x, runner.results()
@@ -284,40 +285,40 @@ class _Runner:
   """Runs the segments of one loop; gathers each kind's outputs by rank."""
 
   def __init__(self, steps: Mapping[str, Step], xs: Mapping[str, PyTree],
-               pattern: _kinds.Pattern, unroll: Union[int, bool], reverse: bool,
-               tags: Optional[Mapping[str, set[str]]]):
+               pattern: _kinds.Pattern, unroll: Union[int, bool], reverse: bool):
     self.steps, self.xs, self.pattern = steps, xs, pattern
-    self.unroll, self.reverse, self.tags = unroll, reverse, tags
+    self.unroll, self.reverse = unroll, reverse
     self.pieces: dict[str, list[tuple[int, PyTree]]] = {k: [] for k in xs}
 
   def _order(self, items):
     return list(reversed(items)) if self.reverse else list(items)
 
-  def _run(self, x, kind, run_xs, length, policy, looped):
+  def _run(self, x, kind, run_xs, length, segment, looped):
     """One run: a scan over ``length`` consecutive layers of one kind.
 
     ``run_xs`` leads with ``length``; for a run of one layer it is that
     layer's own slice, applied directly (no loop: it compiles faster).
     """
-    step = segments_lib.step_policy(policy, kind, self.tags,
-                                    looped=looped or length > 1).checkpoint_step(
-                                        self.steps[kind])
+    policy = segment.steps[kind]
+    if not (looped or length > 1):
+      policy = policy.outside_loop()
+    step = policy.checkpoint_step(self.steps[kind])
     if length > 1:
       return lax.scan(step, x, run_xs, length=length, reverse=self.reverse,
                       unroll=self.unroll is True or 1)
     return step(x, run_xs)
 
-  def runs(self, x, runs, policy):
+  def runs(self, x, runs, segment):
     """Runs at the loop's own indices (a partial period): static slices."""
     for run in self._order(runs):
       rows = self.xs[run.kind]
       if run.length == 1:
         x, out = self._run(x, run.kind, jax.tree_util.tree_map(lambda a: a[run.rank], rows),  # pylint: disable=cell-var-from-loop
-                           1, policy, looped=False)
+                           1, segment, looped=False)
         out = jax.tree_util.tree_map(lambda a: a[None], out)
       else:
         x, out = self._run(x, run.kind, _rows(rows, run.rank, run.rank + run.length),
-                           run.length, policy, looped=False)
+                           run.length, segment, looped=False)
       self.pieces[run.kind].append((run.rank, out))
     return x
 
@@ -349,7 +350,7 @@ class _Runner:
       outs = [None] * len(runs)
       for j in self._order(range(len(runs))):
         x, outs[j] = self._run(x, runs[j].kind, xs[j], runs[j].length,
-                               segment.policy, looped=True)
+                               segment, looped=True)
       return x, outs
 
     if segment.split is None:
@@ -414,10 +415,10 @@ class _Runner:
     p = self.pattern.period
     first, last = -(-start // p), stop // p    # whole periods [first, last)
     if first >= last:
-      return self.runs(x, self.pattern.runs(start, stop), segment.policy)
-    parts = [lambda x: self.runs(x, self.pattern.runs(start, first * p), segment.policy),
+      return self.runs(x, self.pattern.runs(start, stop), segment)
+    parts = [lambda x: self.runs(x, self.pattern.runs(start, first * p), segment),
              lambda x: self.periods(x, first, last, segment),
-             lambda x: self.runs(x, self.pattern.runs(last * p, stop), segment.policy)]
+             lambda x: self.runs(x, self.pattern.runs(last * p, stop), segment)]
     for part in self._order(parts):
       x = part(x)
     return x

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
 from stacktools import _checks
@@ -71,13 +71,15 @@ class Segment(NamedTuple):
   ``split`` is the loop's shape: ``None`` for a flat loop (one ``lax.scan``
   over the segment's periods), or ``(outer, inner, remainder)`` for a nested
   one: ``outer`` checkpointed chunks of ``inner`` whole periods, then one of
-  ``remainder``.
+  ``remainder``. ``steps`` is the policy each kind's layer steps run with
+  inside a loop (``.outside_loop()`` of it outside one).
   """
 
   start: int
   length: int
   policy: policy_lib.CheckpointPolicy
-  split: Optional[tuple[int, int, int]] = None
+  split: Optional[tuple[int, int, int]]
+  steps: Mapping[str, policy_lib.CheckpointPolicy]
 
 
 class LoopPlan(NamedTuple):
@@ -95,11 +97,6 @@ class LoopPlan(NamedTuple):
   def in_order(self) -> tuple[Segment, ...]:
     """The segments in the order they run."""
     return tuple(reversed(self.segments)) if self.reverse else self.segments
-
-  @property
-  def saves_names(self) -> bool:
-    """Whether a segment's policy saves or offloads named block internals."""
-    return any(segment.policy.named_internals() for segment in self.segments)
 
 
 def per_depth(*segments: Union[tuple[int, policy_lib.RematSpec], str]) -> PerDepth:
@@ -234,10 +231,11 @@ def plan_context(context: PlanContext) -> Iterator[PlanContext]:
 Sizes = Callable[[], tuple[float, float, float]]
 
 
-def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
-              reverse: bool = False, init: bool = False,
+def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
+              period: int = 1, reverse: bool = False, init: bool = False,
               probe: Optional[Callable[[], set[str]]] = None,
-              sizes: Optional[Sizes] = None) -> LoopPlan:
+              sizes: Optional[Sizes] = None,
+              tags: Optional[Callable[[], Mapping[str, set[str]]]] = None) -> LoopPlan:
   """The one place a ``remat=`` value becomes how a loop runs.
 
   In pseudo-code, the engine then runs::
@@ -249,6 +247,7 @@ def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
   Args:
     remat: any ``remat=`` value (alias, policy, :func:`per_depth`, ``"auto"``).
     num_layers: the loop's length.
+    kinds: the kinds of block in the loop (one for a stack of one block).
     period: the pattern's length (1 for a stack of one block).
     reverse: run from the last layer to the first.
     init: whether Haiku is initialising. Init is never differentiated, so no
@@ -256,6 +255,9 @@ def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
       ``"auto"`` needs no plan there: it runs as ``"none"``.
     probe: returns the names the blocks tag, for a plan that discovers loops.
     sizes: the bytes a nested split weighs (default: carries alone).
+    tags: returns the names each kind's block tags; asked only when several
+      kinds run under a policy that names block internals, which each kind
+      then keeps where it tags them.
 
   Returns:
     The plan.
@@ -287,6 +289,9 @@ def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
         f"to {num_layers}.")
   else:
     parts = remat.segments
+  tagged = None
+  if len(kinds) > 1 and tags is not None and any(p.named_internals() for _, p in parts):
+    tagged = tags()
   segments, start = [], 0
   for count, policy in parts:
     split = None
@@ -296,30 +301,26 @@ def plan_loop(remat: Any, num_layers: int, *, period: int = 1,
       split = policy_lib.split_nested(
           whole, policy.nested, carry_bytes=carry_bytes, layer_bytes=period_bytes,
           largest_leaf_bytes=largest, period=period)
-    segments.append(Segment(start, count, policy, split))
+    steps = {kind: _kind_policy(policy.inner(), kind, tagged) for kind in kinds}
+    segments.append(Segment(start, count, policy, split, steps))
     start += count
   return LoopPlan(tuple(segments), period, reverse)
 
 
-def step_policy(policy: policy_lib.CheckpointPolicy, kind: str,
-                tags: Optional[Mapping[str, set[str]]], *,
-                looped: bool) -> policy_lib.CheckpointPolicy:
-  """The policy one layer's step runs with, in a segment under ``policy``.
-
-  A nested policy's steps are its inner steps; a policy that names block
-  internals keeps, for ``kind``'s layers, the names that kind tags (``tags``:
-  kind -> names; ``None`` for one kind); a step outside a loop prevents
-  common subexpression elimination (see ``CheckpointPolicy.outside_loop``).
-  """
-  policy = policy.inner()
+def _kind_policy(policy: policy_lib.CheckpointPolicy, kind: str,
+                 tags: Optional[Mapping[str, set[str]]]) -> policy_lib.CheckpointPolicy:
+  """``policy`` for ``kind``'s layers: it saves (or offloads) the named
+  internals that this kind tags (``tags``: kind -> names)."""
   wanted = policy.named_internals()
-  if wanted and tags is not None and set(wanted) <= set().union(*tags.values()):
+  if not wanted or tags is None or not set(wanted) <= set().union(*tags.values()):
     # A name that no kind tags is left in, so that the policy's own check
     # names it.
-    def keep(names):
-      return tuple(n for n in names if n in tags[kind])
-    saved = policy.save_block_internals
-    policy = dataclasses.replace(
-        policy, save_block_internals=saved if isinstance(saved, bool) else keep(saved),
-        offload_block_internals=keep(policy.offload_block_internals))
-  return policy if looped else policy.outside_loop()
+    return policy
+
+  def keep(names):
+    return tuple(n for n in names if n in tags[kind])
+
+  saved = policy.save_block_internals
+  return dataclasses.replace(
+      policy, save_block_internals=saved if isinstance(saved, bool) else keep(saved),
+      offload_block_internals=keep(policy.offload_block_internals))

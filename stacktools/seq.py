@@ -103,11 +103,10 @@ class BlockSeq(_layers.StackModule):
     keys = _layers.draw_layer_keys(n)
     # The loop plan Stacked would run, walked one layer at a time (a plan's
     # choice for remat="auto" comes with no tagged names discovered).
-    plan = segments_lib.plan_loop(self.remat, n, period=pattern.period,
-                                  reverse=self.reverse, init=hk.running_init())
-    tags = None   # a named save applies to the kinds that tag the name
-    if not pattern.is_uniform and plan.saves_names:
-      tags = _layers.kind_tags(pattern, inners, x, arguments)
+    plan = segments_lib.plan_loop(
+        self.remat, n, kinds=pattern.names, period=pattern.period,
+        reverse=self.reverse, init=hk.running_init(),
+        tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
     ys = [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
@@ -118,7 +117,7 @@ class BlockSeq(_layers.StackModule):
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], mode=mode,
-            policy=segments_lib.step_policy(segment.policy, kind, tags, looped=False))
+            policy=segment.steps[kind].outside_loop())
     if mode == "fold":
       return x, None
     return x, pattern.collect(ys)

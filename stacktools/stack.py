@@ -84,8 +84,9 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
     return step
 
   steps = {kind: step_of(kind) for kind in pattern.names}
-  plan = loops.plan_for(steps, x, xs, pattern, remat, reverse=reverse,
-                        init=hk.running_init())
+  plan = loops.plan_for(
+      steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
+      tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
   stages = pipeline.stages() if pipeline is not None else 1
   if stages > 1 and not hk.running_init():
     pipeline.check(n, stages)
@@ -102,10 +103,7 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
         unroll=unroll)
     updaters[kind].update(new_state)
     return x, ys
-  tags = None   # a named save applies to the kinds that tag the name
-  if not pattern.is_uniform and plan.saves_names:
-    tags = _layers.kind_tags(pattern, inners, x, arguments)
-  x, results = loops.run(steps, x, xs, pattern, plan, unroll=unroll, tags=tags)
+  x, results = loops.run(steps, x, xs, pattern, plan, unroll=unroll)
   for kind in pattern.names:
     updaters[kind].update(results[kind].state)
   if mode == "fold":
