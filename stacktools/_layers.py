@@ -5,8 +5,11 @@ Vocabulary, as in the loops:
 * the *carry* ``x`` is what flows from layer to layer (the residual stream);
 * the *per-layer arguments* are sliced along a leading Layers axis, one slice
   per layer (:func:`per_layer`); every other argument is broadcast;
-* a *fold* block returns the new ``x``; a *scan* block returns ``(x, y)`` and
-  the stack returns every layer's ``y`` stacked on a Layers axis.
+* the *mode* is fold or scan: a fold block returns the new ``x``; a scan
+  block returns ``(x, y)`` and the stack returns every layer's ``y`` stacked
+  on a Layers axis;
+* a *kind* is an entry of a mixed-layer stack's pattern; a stack of one
+  block has one kind, :data:`BLOCK`.
 
 In pseudo-code, both stacks compute::
 
@@ -19,7 +22,9 @@ In pseudo-code, both stacks compute::
 
 :class:`StackModule` owns the constructor checks and ``fold``/``scan``; a
 subclass overrides :meth:`StackModule.run_layers` with how the layers run
-(one ``jax.vmap`` + one scan in ``Stacked``, a Python loop in ``BlockSeq``).
+(one ``jax.vmap`` per kind and the engine in ``Stacked``, the same loop plan
+walked by a Python loop in ``BlockSeq``). Errors name the public entry point
+that was called (``Stacked: ...``) through :func:`stacktools._checks.subject`.
 """
 
 from __future__ import annotations

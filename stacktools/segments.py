@@ -1,4 +1,4 @@
-"""Which checkpoint policy each layer of a loop gets: per-depth segments and "auto".
+"""The loop plan: what a ``remat=`` value means for one loop, decided once.
 
 A ``remat=`` value is one of three things:
 
@@ -7,15 +7,20 @@ A ``remat=`` value is one of three things:
   policy, run as consecutive loops over slices of the same stacked inputs;
 * ``"auto"``: the policy comes from the active :class:`stacktools.RematPlan`
   (``with plan: ...``), chosen by :func:`stacktools.plan_remat` under a
-  memory budget.
+  memory budget (at Haiku init, which is never differentiated, ``"none"``).
 
-In pseudo-code, a loop of ``length`` steps with ``remat=`` runs::
+:func:`plan_loop` turns it, with the loop's depth, pattern period and
+direction, into a :class:`LoopPlan`: the segments in layer order, each with
+its layers, its policy, the policy of each kind's steps and its loop shape
+(flat, or nested with its split). It is the only reader of the active plan;
+``loops.py`` (the engine) and ``seq.py`` (the unrolled walk) run what it
+returns::
 
-  for segment in segments_for(remat, length):     # reversed when reverse=True
-    carry, ys[segment] = loop(step, carry, xs[segment], segment.policy)
+  for segment in plan.in_order():                 # reversed when reverse=True
+    carry, ys[segment] = loop(steps, carry, xs[segment], segment)
 
-This module knows nothing of Haiku; ``loops.py`` reads it, and ``plan.py``
-installs the contexts that answer ``"auto"``.
+This module knows nothing of Haiku; ``plan.py`` installs the contexts that
+answer ``"auto"``.
 """
 
 from __future__ import annotations

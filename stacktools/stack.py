@@ -6,9 +6,12 @@
 2. Init is ``jax.vmap(inner.init)`` over one key per layer, lifted into the
    outer transform with ``hk.transparent_lift_with_state``, so that every
    parameter and state leaf gains a leading ``num_layers`` axis.
-3. Apply is :func:`stacktools.loops.scan` over :class:`LayerSlice` (params,
+3. Apply is the engine (``loops.py``) over :class:`LayerSlice` (params,
    state, rng, per-layer arguments, layer index) with ``inner.apply`` as the
-   body and the chosen checkpoint policy.
+   step, running the loop plan of the stack's ``remat=``. A stack of one
+   block is a pattern of one kind, period 1; a mixed-layer stack keeps one
+   parameter stack per kind (``h/<kind>/...``) and the same engine loops over
+   its periods.
 4. The per-layer state that comes out of the scan goes back to Haiku through
    the lift's state updater, which knows the module's unique name (so two
    stacks with the same requested name keep their state apart).
