@@ -144,7 +144,7 @@ def test_stage_layout_round_trips_and_groups_chunks_per_stage():
   np.testing.assert_array_equal(staged[1], [[2, 3], [10, 11]])
   np.testing.assert_array_equal(pipeline_lib.from_stages(staged), layers)
   batch = jnp.arange(12)
-  micro = pipeline_lib.split_microbatches(batch, 4, "test")
+  micro = pipeline_lib.split_microbatches(batch, 4)
   np.testing.assert_array_equal(micro[1], [1, 5, 9])
   np.testing.assert_array_equal(pipeline_lib.merge_microbatches(micro), batch)
 
