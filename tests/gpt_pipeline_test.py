@@ -75,7 +75,8 @@ CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 7}),
          ("chain gpipe", {**GPIPE, "stop_after": 14, "resume": True}),
          ("chain plain again", {"mesh": "data:8", "resume": True}))
 # (devices, name, flags, fragments of the one line) of start-up errors that
-# need a mesh; they stop before the data is loaded.
+# need a mesh; the example's own, or stacktools' when set_up first traces the
+# model. None writes anything.
 MESH_ERRORS = (
     (1, "no pipe axis", {"pipeline": "gpipe"},
      ["error: --pipeline=gpipe places its stages on a pipe axis, which is missing "
@@ -83,12 +84,14 @@ MESH_ERRORS = (
     (8, "pipe axis without a pipeline", {"mesh": "pipe:4,data:2"},
      ["error: --mesh='pipe:4,data:2' has a pipe axis of 4", "--pipeline=gpipe"]),
     (8, "layers", {**GPIPE, "num_layers": 6},
-     ["error: --num_layers=6 is not divisible by the pipe axis (4)"]),
+     ["error: Stacked: num_layers=6 cannot be split into 4 stages",
+      "Make num_layers a multiple of 4"]),
     (8, "batch", {**GPIPE, "batch_size": 12},
      ["error: --batch_size=12 is not divisible by --microbatches (4) x the mesh's "
       "data axis (2) = 8"]),
     (8, "circular with few microbatches", {**GPIPE, "pipeline": "circular", "microbatches": 2},
-     ["error: --pipeline=circular needs --microbatches at least the pipe axis (4), got 2"]),
+     ["error: Stacked: a circular schedule needs at least as many microbatches as "
+      "stages", "got microbatches=2 for 4 stages"]),
 )
 ATOL = 1e-4  # float32 losses after 20 steps; only reductions are reordered
 
