@@ -229,11 +229,26 @@ def test_test_helpers_depend_on_what_they_import(rules):
 def test_per_test_settings_name_existing_tests(build):
   _, env = build
   test_files = set(_files("tests/*_test.py"))
-  for table in ("_TEST_SIZE", "_TEST_DATA"):
+  for table in ("_TEST_SIZE", "_TEST_DATA", "_CI_TESTS"):
     stale = sorted(set(env.get(table, {})) - test_files)
     assert not stale, f"BUILD's {table} names tests that do not exist: {stale}"
   for test_file, size in env.get("_TEST_SIZE", {}).items():
     assert size in SIZES, f"{test_file}: size {size!r} is not one of {SIZES}"
+
+
+def test_ci_runs_a_few_tests_under_bazel(rules):
+  # .ci/run builds every target and runs the tests tagged "ci"; the others
+  # pytest has run already.
+  tagged = sorted(name for name, r in rules.items()
+                  if r.kind == "py_test" and "ci" in r.attrs.get("tags", []))
+  assert "bazel_build_test" in tagged, tagged
+  assert len(tagged) < len(_files("tests/*_test.py")) // 2, tagged
+  if os.environ.get("TEST_SRCDIR"):
+    return  # .ci/run is not in a test's runfiles
+  with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+    script = f.read()
+  assert "bazel --batch build //..." in script
+  assert "--test_tag_filters=ci" in script
 
 
 def test_glob_regex_follows_bazel_rules():
