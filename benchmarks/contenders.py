@@ -52,6 +52,9 @@ IMPL_LABELS = {
 #: parameters) so that an offloading jax policy can refer to them.
 HAND_CARRY = "hand_carry"
 HAND_INPUT = "hand_input"
+#: The ``nested`` alias's policy, whose ``nested_split`` the hand-written
+#: nested contenders follow (the same outer and inner sizes as stacktools').
+NESTED = st.CheckpointPolicy(nested=True)
 
 
 # ---------------------------------------------------------------------------
@@ -92,10 +95,11 @@ def supports(impl: str, policy: str, num_layers: int) -> bool:
   """Whether ``impl`` can express ``policy`` at this depth.
 
   ``hk_layer_stack`` writes ``nested`` as a layer_stack of layer_stacks, so
-  only when ``st.nested_split`` divides the depth exactly.
+  only when ``st.CheckpointPolicy(nested=True).nested_split`` divides the
+  depth exactly.
   """
   if impl == "hk_layer_stack" and policy == "nested":
-    return st.nested_split(num_layers, True)[2] == 0
+    return NESTED.nested_split(num_layers)[2] == 0
   return impl in IMPLS and policy in POLICIES
 
 
@@ -198,7 +202,7 @@ def _lax_scan_contender(cfg, policy, num_layers, save_name, name) -> Contender:
   def forward(params, x):
     if policy != "nested":
       return jax.lax.scan(checkpointed(body), x, params)[0]
-    outer, inner, remainder = st.nested_split(num_layers, True)
+    outer, inner, remainder = NESTED.nested_split(num_layers)
     step = checkpointed(body)
 
     def chunk(x, p):
@@ -240,7 +244,7 @@ def build(impl: str, policy: str, cfg: models.ModelConfig, num_layers: int, *,
                         save_name)
       if policy != "nested":
         return hk.layer_stack(num_layers, name="h")(layer)(x)
-      outer, inner, _ = st.nested_split(num_layers, True)
+      outer, inner, _ = NESTED.nested_split(num_layers)
       chunk = hk.remat(lambda x: hk.layer_stack(inner, name="inner")(layer)(x),
                        policy=jax.checkpoint_policies.nothing_saveable)
       return hk.layer_stack(outer, name="h")(chunk)(x)

@@ -25,13 +25,6 @@ import numpy as np
 
 PyTree = Any
 
-#: XLA options that cut the CPU compile time of a memory measurement by about
-#: half. They only change LLVM's optimisation of the generated code, which runs
-#: after XLA's buffer assignment, so the temp bytes are the same (memory.py
-#: checks this on one contender per run and falls back to the defaults if not).
-FAST_COMPILE = {"xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
-
 
 def temp_bytes(lowered: jax.stages.Lowered,
                compiler_options: Optional[dict[str, Any]] = None) -> int:

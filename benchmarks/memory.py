@@ -37,6 +37,7 @@ if __package__ in (None, ""):
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import contenders  # pylint: disable=wrong-import-position
+from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import instruments  # pylint: disable=wrong-import-position
 from benchmarks import models  # pylint: disable=wrong-import-position
@@ -262,23 +263,24 @@ def draw(payload: dict[str, Any]):
 
 
 def compiler_options(args, cfgs) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
-  """``instruments.FAST_COMPILE``, once checked to give the default's temp bytes."""
+  """``fast_compile.CODEGEN``, once checked to give the default's temp bytes."""
   if args.exact_compile:
     return None, {"checked": False, "reason": "--exact_compile: XLA's defaults"}
   if args.quick:
-    return dict(instruments.FAST_COMPILE), {"checked": False, "reason": "--quick"}
+    return dict(fast_compile.CODEGEN), {"checked": False, "reason": "--quick"}
   model, cfg = next(iter(cfgs.items()))
   policy = "nested" if "nested" in args.policies else args.policies[0]
   contender = contenders.build("stacked", policy, cfg, max(args.depths), save_name=args.save_name)
   x = models.example_input(cfg)
-  fast = instruments.temp_bytes(contender.lowered_step(x), instruments.FAST_COMPILE)
+  fast = instruments.temp_bytes(contender.lowered_step(x), fast_compile.CODEGEN)
   default = instruments.temp_bytes(contender.lowered_step(x))
   check = {"checked": True, "on": f"{model} stacked/{policy} L={max(args.depths)}",
            "default_bytes": default, "fast_bytes": fast, "equal": fast == default}
   if fast != default:
-    harness.log(f"FAST_COMPILE changed the temp bytes ({fast} != {default}): using defaults")
+    harness.log(f"fast_compile.CODEGEN changed the temp bytes ({fast} != {default}): "
+                "using defaults")
     return None, check
-  return dict(instruments.FAST_COMPILE), check
+  return dict(fast_compile.CODEGEN), check
 
 
 def build_parser():

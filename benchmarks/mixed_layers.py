@@ -17,11 +17,12 @@ compiled program:
 4. The GPT example's KV cache with ``--pattern=LLLG --window=32`` against
    all-global layers, at the same sequence lengths.
 
-The blocks of questions 2 and 3 are small GPT blocks (pre-LayerNorm
-attention + MLP); a local block attends over the last ``--window``
-positions, a global one over all. Question 1 uses two residual MLPs with
-different hidden widths (``--verify_block``; 72 cases of three programs each
-compile quickly) and the GPT example itself.
+The blocks of questions 2 and 3 are the GPT example's blocks
+(``examples/gpt/model.py``: pre-LayerNorm attention + MLP), small; a local
+block attends over the last ``--window`` positions, a global one over all.
+Question 1 uses two residual MLPs with different hidden widths
+(``--verify_block``; 72 cases of three programs each compile quickly) and
+the GPT example itself.
 
   python benchmarks/mixed_layers.py            # full run, ~10 min on 2 cores
   python benchmarks/mixed_layers.py --quick    # seconds (the smoke test)
@@ -48,6 +49,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import stacktools as st  # pylint: disable=wrong-import-position
+from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import instruments  # pylint: disable=wrong-import-position
 from examples.gpt import model as gpt  # pylint: disable=wrong-import-position
@@ -61,34 +63,7 @@ RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------
-# The blocks: GPT blocks with local (windowed) or global attention.
-
-
-class AttentionBlock(hk.Module):
-  """Pre-LayerNorm causal self-attention (over the last ``window`` positions
-  when given) and a 4x MLP; the MLP hidden activation is ``mlp_hidden``."""
-
-  def __init__(self, heads: int, window: Optional[int], name: Optional[str] = None):
-    super().__init__(name=name)
-    self.heads, self.window = heads, window
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    batch, seq_len, width = x.shape
-    head_dim = width // self.heads
-    h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln1")(x)
-    q, k, v = jnp.split(hk.Linear(3 * width, name="qkv")(h).reshape(
-        batch, seq_len, 3 * self.heads, head_dim), 3, axis=2)
-    pos = jnp.arange(seq_len)
-    mask = pos[None, :] <= pos[:, None]
-    if self.window is not None:
-      mask &= pos[None, :] > pos[:, None] - self.window
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(head_dim)
-    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    attn = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v)
-    x = x + hk.Linear(width, name="proj")(attn.reshape(batch, seq_len, width))
-    h = hk.LayerNorm(-1, create_scale=True, create_offset=True, name="ln2")(x)
-    h = st.checkpoint_name(jax.nn.gelu(hk.Linear(4 * width, name="fc")(h)), "mlp_hidden")
-    return x + hk.Linear(width, name="out")(h)
+# The blocks: the GPT example's, with local (windowed) or global attention.
 
 
 class MLPBlock(hk.Module):
@@ -108,8 +83,12 @@ class MLPBlock(hk.Module):
 def factories(args) -> dict[str, Any]:
   if args.block == "mlp":   # two kinds with different parameter shapes
     return {"L": lambda: MLPBlock(2, name="block"), "G": lambda: MLPBlock(4, name="block")}
-  return {"L": lambda: AttentionBlock(args.heads, args.window, name="block"),
-          "G": lambda: AttentionBlock(args.heads, None, name="block")}
+  # The GPT example's block; Block takes the window itself, so the config
+  # needs no pattern (its vocab_size is never used by a block).
+  cfg = gpt.GPTConfig(vocab_size=1, seq_len=args.seq_len, num_heads=args.heads,
+                      d_model=args.width)
+  return {"L": lambda: gpt.Block(cfg, args.window, name="block"),
+          "G": lambda: gpt.Block(cfg, None, name="block")}
 
 
 def stack_fn(args, impl: str, pattern: str, n: int, remat: Any, reverse: bool = False):
@@ -183,14 +162,18 @@ def verify_case(args, pattern, n, remat, reverse) -> dict[str, Any]:
     return ref, out, (value, (st.stack_params(g_seq, "h", pattern=pattern), gx))
 
   ref, out, out_seq = jax.jit(all_three).lower(params, x).compile(
-      instruments.FAST_COMPILE)(params, x)
+      fast_compile.CODEGEN)(params, x)
   return {"pattern": pattern, "num_layers": n, "remat": harness_remat(remat),
           "reverse": reverse, "vs_loop": max_rel_error(out, ref),
           "blockseq_vs_loop": max_rel_error(out_seq, ref)}
 
 
 def harness_remat(remat) -> str:
-  return remat if isinstance(remat, str) else st.segments.describe_remat(remat)
+  """An alias as it is, a policy as ``str(policy)``, a per_depth value as
+  ``per_depth(none:3,nested:3)``."""
+  if isinstance(remat, (str, st.CheckpointPolicy)):
+    return str(remat)
+  return f"per_depth({remat})"
 
 
 def verify_gpt(args) -> list[dict[str, Any]]:
@@ -203,7 +186,7 @@ def verify_gpt(args) -> list[dict[str, Any]]:
     model = hk.without_apply_rng(hk.transform(lambda t, cfg=cfg: gpt.loss_fn(cfg, t)[0]))
     params = random_params(model, tokens)
     out = jax.jit(jax.value_and_grad(model.apply)).lower(params, tokens).compile(
-        instruments.FAST_COMPILE)(params, tokens)
+        fast_compile.CODEGEN)(params, tokens)
     base = out if base is None else base
     rows.append({"remat": remat, "vs_none": max_rel_error(out, base)})
     harness.log(f"gpt --pattern=LLLG --remat={remat}: max error {rows[-1]['vs_none']:.2g} x rtol")
@@ -228,7 +211,7 @@ def compile_seconds(args, impl: str, n: int) -> dict[str, float]:
   (w0, c0) = instruments.clocks()
   low = lowered(args, impl, n, "full")
   (w1, c1) = instruments.clocks()
-  compiled = low.compile(instruments.FAST_COMPILE if args.quick else None)
+  compiled = low.compile(fast_compile.CODEGEN if args.quick else None)
   (w2, c2) = instruments.clocks()
   return {"trace_s": w1 - w0, "total_s": w2 - w0, "cpu_total_s": c2 - c0,
           "stablehlo_lines": len(low.as_text().splitlines()),
@@ -257,7 +240,7 @@ def measure_memory(args) -> list[dict[str, Any]]:
   for impl in ("pattern", "one_block"):
     for remat in args.memory_remats:
       for n in args.depths:
-        temp = instruments.temp_bytes(lowered(args, impl, n, remat), instruments.FAST_COMPILE)
+        temp = instruments.temp_bytes(lowered(args, impl, n, remat), fast_compile.CODEGEN)
         rows.append({"impl": impl, "remat": remat, "num_layers": n, "temp_bytes": temp})
         harness.log(f"memory {impl:9s} remat={remat:4s} L={n:<3d}: {temp / 2**20:.2f} MiB")
   return rows

@@ -4,7 +4,8 @@ Four questions about ``st.Stacked(..., pipeline=st.Pipeline(...))`` over 8
 virtual CPU devices, each answered from the schedule or the compiled program:
 
 1. **Bubble.** The idle share of stage-ticks, counted in the table that the
-   pipeline runs (``st.pipeline_schedule(P, M, repeats=R)``), against
+   pipeline runs (``st.Pipeline(microbatches=M, schedule=...,
+   repeats=R).table(P)``), against
    (P-1)/(M+P-1) for ``gpipe`` and (P-1)/(R*M+P-1) for ``circular``, for
    every P, M and R asked (``circular`` needs M >= P). They must agree
    exactly: compared as fractions of whole stage-ticks.
@@ -36,7 +37,7 @@ virtual CPU devices, each answered from the schedule or the compiled program:
 
 Wall time is not measured: 8 virtual devices that share two cores say
 nothing about how fast a real pipeline runs. Steps compile with
-``instruments.FAST_COMPILE`` (checked once per full run to give the same
+``fast_compile.CODEGEN`` (checked once per full run to give the same
 temp bytes as XLA's defaults).
 
   python benchmarks/pipeline.py               # full run, ~3.5 min on 2 cores
@@ -95,6 +96,7 @@ except ImportError:  # not public in every JAX version
   from jax._src.ad_checkpoint import saved_residuals
 
 import stacktools as st
+from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
 from benchmarks import models
@@ -159,7 +161,7 @@ def bubble_rows(stages: list[int], microbatches: list[int],
         for m in microbatches:
           if schedule == "circular" and m < p:
             continue  # a microbatch must be back at stage 0 before its next repeat
-          table = st.pipeline_schedule(p, m, repeats=r)
+          table = st.Pipeline(microbatches=m, schedule=schedule, repeats=r).table(p)
           idle, total = int((~table.busy).sum()), int(table.busy.size)
           counted, formula = Fraction(idle, total), Fraction(p - 1, r * m + p - 1)
           rows.append({"schedule": schedule, "P": p, "M": m, "R": r,
@@ -345,7 +347,7 @@ def markdown(payload: dict[str, Any]) -> str:
   lines = []
   bubble = payload["bubble"]
   ms = sorted({r["M"] for r in bubble["rows"]})
-  lines += ["**Bubble, counted in `st.pipeline_schedule`** (equal to the formula, as "
+  lines += ["**Bubble, counted in `st.Pipeline(...).table(P)`** (equal to the formula, as "
             f"fractions of stage-ticks, in {bubble['exact']} of {len(bubble['rows'])} "
             "cells)", "",
             "| schedule | P | " + " | ".join(f"M={m}" for m in ms) + " |",
@@ -463,7 +465,7 @@ def draw(payload: dict[str, Any]):
     ax_b.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax_b.set_xlabel("microbatches M")
     ax_b.set_ylabel("bubble: idle stage-ticks / all")
-    ax_b.set_title("Bubble counted in st.pipeline_schedule\n(black x: (P-1)/(R·M+P-1))")
+    ax_b.set_title("Bubble counted in st.Pipeline(...).table(P)\n(black x: (P-1)/(R·M+P-1))")
     ax_b.legend(fontsize=6, ncol=2)
 
     pos = np.arange(len(res))
@@ -643,7 +645,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   # LLVM's cheap settings halve compile time; they run after buffer
   # assignment, so temp bytes do not change. Checked on the first pipelined
   # step of a full run; any difference falls back to the defaults.
-  steps = Steps(args, cfg, params, x, instruments.FAST_COMPILE)
+  steps = Steps(args, cfg, params, x, fast_compile.CODEGEN)
   fast_check = None
   if not args.quick and args.pipes and args.remats:
     fast = steps.pipelined(args.remats[0], args.pipes[0], SCHEDULES[-1], args.microbatches)

@@ -10,10 +10,9 @@ For a gradient step of the benchmark GPT block stacked L times with
    (``st.Stacked(..., remat=<candidate>)``), which checks the report's temp
    bytes and gives one compile's cost.
 3. For budgets 10%, 25%, 50% and 75% of the way from ``full``'s temp memory
-   to ``none``'s, ``st.RematPlan.from_report(report, budget=...,
-   by_time=True)`` chooses; the step is compiled under the plan
-   (``jax.jit(plan.wrap(step))``) and its temp memory checked against the
-   budget.
+   to ``none``'s, ``report.plan(budget=..., by_time=True)`` chooses; the
+   step is compiled under the plan (``jax.jit(plan.wrap(step))``) and its
+   temp memory checked against the budget.
 4. Every candidate is re-timed side by side: ``--rounds`` rounds, each timing
    every candidate once, in an order that alternates direction every round.
    The chosen plan's step time is compared with every candidate that fits
@@ -215,7 +214,7 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
   low, high = temp["full"], temp["none"]
   for fraction in args.fractions:
     budget = int(low + fraction * (high - low))
-    plan = st.RematPlan.from_report(report, budget=budget, by_time=True)
+    plan = report.plan(budget=budget, by_time=True)
     label = plan.labels[key]
     if label not in plan_compiles:
       # The step as a user compiles it under the plan. plan.wrap gives a fresh
@@ -227,7 +226,7 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
                               time.perf_counter() - t0)
       instruments.block(under_plan(params, x))
       copies[copy_name(label)] = under_plan
-    by_flops = st.RematPlan.from_report(report, budget=budget, by_time=False)
+    by_flops = report.plan(budget=budget, by_time=False)
     budgets.append({"fraction": fraction, "budget_bytes": budget, "chosen": label,
                     "chosen_kind": kind_of(label),
                     "chosen_temp_bytes": plan_compiles[label][0],
@@ -488,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
           "step": f"jax.value_and_grad(mean(st.Stacked({args.model}, L, "
                   "remat='auto').fold(x)**2))",
           "budget": "temp(full) + fraction * (temp(none) - temp(full)), in bytes",
-          "choice": "st.RematPlan.from_report(report, budget=..., by_time=True)",
+          "choice": "report.plan(budget=..., by_time=True)",
           "ratio": "max over fitting candidates c of the median over rounds of "
                    "chosen / c in the same round; every candidate timed once per "
                    "round, direction alternating",

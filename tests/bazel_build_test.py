@@ -5,13 +5,15 @@ it with Python stand-ins for `glob()` (Bazel's pattern rules, over this tree)
 and for the rules it calls, and then checks the targets it declares against the
 files on disk: each ``stacktools/*.py`` module is in ``//:stacktools``, each
 ``tests/*_test.py`` has its own ``py_test`` run by the shared pytest runner,
-the GPT example is built, a test that imports another test module has that
-file under Bazel too, and nothing named in BUILD is missing.
+the GPT example is built, no test imports another test module (what tests
+share is in helper modules, which ``//:test_support`` holds with what they
+import), and nothing named in BUILD is missing.
 
 Under ``bazel test`` the tree it sees is the test's runfiles, which hold BUILD
 and every test file (see ``_TEST_DATA`` in BUILD); under pytest, the checkout.
 """
 
+import ast
 import collections
 import importlib.util
 import os
@@ -185,28 +187,68 @@ def _imported_test_files(test_file):
   return found
 
 
-def test_test_files_imported_by_other_tests_are_in_their_runfiles(rules):
-  # Under Bazel a test sees only its own file, its deps and its data; pytest
-  # sees the whole tree. A test that imports another test module must list it.
-  for name, r in rules.items():
-    if r.kind != "py_test":
-      continue
-    have = set(r.attrs.get("srcs", [])) | set(r.attrs.get("data", []))
-    for test_file in [s for s in r.attrs.get("srcs", []) if s.startswith("tests/")]:
-      missing = sorted(_imported_test_files(test_file) - have)
-      assert not missing, (
-          f"{test_file} imports {missing}, which :{name} does not have under "
-          f"Bazel: add them to _TEST_DATA[{test_file!r}] in BUILD")
+def test_no_test_module_imports_another(rules):
+  # What tests share lives in helper modules (tests/*.py not named *_test.py,
+  # in //:test_support), so that each test's Bazel target needs only its own
+  # file and no test depends on another test's internals. The search is
+  # textual: it also finds an import in a subprocess's code string.
+  for test_file in _files("tests/*_test.py"):
+    imported = sorted(_imported_test_files(test_file))
+    assert not imported, (
+        f"{test_file} imports the test modules {imported}: move what it uses to "
+        "a helper module under tests/ (e.g. tests/gpt_driver.py)")
+
+
+_PACKAGE_TARGETS = {"stacktools": "stacktools", "examples": "gpt", "benchmarks": "benchmarks"}
+
+
+def _imported_packages(path):
+  """The top-level packages of this repository that ``path`` imports."""
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module.split(".")[0])
+  return names & set(_PACKAGE_TARGETS)
+
+
+def test_test_helpers_depend_on_what_they_import(rules):
+  support = rules.get("test_support")
+  assert support is not None, "BUILD has no //:test_support py_library"
+  deps = {d.lstrip(":") for d in support.attrs.get("deps", [])}
+  for helper in support.attrs.get("srcs", []):
+    for package in _imported_packages(helper):
+      assert _PACKAGE_TARGETS[package] in deps, (
+          f"{helper} imports {package}, but //:test_support does not depend on "
+          f":{_PACKAGE_TARGETS[package]}")
 
 
 def test_per_test_settings_name_existing_tests(build):
   _, env = build
   test_files = set(_files("tests/*_test.py"))
-  for table in ("_TEST_SIZE", "_TEST_DATA"):
+  for table in ("_TEST_SIZE", "_TEST_DATA", "_CI_TESTS"):
     stale = sorted(set(env.get(table, {})) - test_files)
     assert not stale, f"BUILD's {table} names tests that do not exist: {stale}"
   for test_file, size in env.get("_TEST_SIZE", {}).items():
     assert size in SIZES, f"{test_file}: size {size!r} is not one of {SIZES}"
+
+
+def test_ci_runs_a_few_tests_under_bazel(rules):
+  # .ci/run builds every target and runs the tests tagged "ci"; the others
+  # pytest has run already.
+  tagged = sorted(name for name, r in rules.items()
+                  if r.kind == "py_test" and "ci" in r.attrs.get("tags", []))
+  assert "bazel_build_test" in tagged, tagged
+  assert len(tagged) < len(_files("tests/*_test.py")) // 2, tagged
+  if os.environ.get("TEST_SRCDIR"):
+    return  # .ci/run is not in a test's runfiles
+  with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+    script = f.read()
+  assert "bazel --batch build //..." in script
+  assert "--test_tag_filters=ci" in script
 
 
 def test_glob_regex_follows_bazel_rules():

@@ -301,6 +301,7 @@ def _benchmark_imports(module_name):
 def test_shared_modules_import_one_way():
   # The measuring and publishing modules know nothing of what they measure.
   assert _benchmark_imports("harness") == set()
+  assert _benchmark_imports("fast_compile") == set()
   assert _benchmark_imports("instruments") == set()
   assert _benchmark_imports("models") == set()
   assert _benchmark_imports("contenders") == {"models"}

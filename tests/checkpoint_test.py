@@ -1,7 +1,7 @@
 """Tests for the GPT example's Orbax checkpoints: kill -9 mid-save, rotation, export.
 
-Three ``train.py`` subprocesses of gpt_test's tiny model, 20 steps, a
-checkpoint every 5 steps, the last 2 kept (``--keep_checkpoints=2``):
+Three ``train.py`` subprocesses of the tests' tiny model (``gpt_driver.TINY``),
+20 steps, a checkpoint every 5 steps, the last 2 kept (``--keep_checkpoints=2``):
 
 * ``straight``: uninterrupted, the reference; it also exports its final
   parameters (``--export_npz``);
@@ -12,7 +12,7 @@ checkpoint every 5 steps, the last 2 kept (``--keep_checkpoints=2``):
 * ``resumed``: ``train.py --resume`` in the killed run's workdir.
 
 All three share a persistent compilation cache and XLA's cheap settings
-(gpt_test's ``FAST_XLA``), and start when the module's first test asks.
+(``gpt_driver.FAST_XLA``), and start when the module's first test asks.
 
 What is checked, against numbers:
 
@@ -42,7 +42,7 @@ import time
 import numpy as np
 import pytest
 
-import gpt_test as gpt
+import gpt_driver as gpt
 from examples.gpt import checkpoint
 from subprocesses import output, start
 from subprocesses import wait as wait_ok
@@ -75,9 +75,7 @@ app.run(train.main, argv=["train.py"] + sys.argv[4:])
 
 
 def env(cache_dir: str) -> dict:
-  return {**os.environ, "XLA_FLAGS": gpt.FAST_XLA, "JAX_COMPILATION_CACHE_DIR": cache_dir,
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  return gpt.xla_env(**gpt.cache_env(cache_dir))
 
 
 def last_step(workdir: str) -> int:

@@ -5,7 +5,7 @@ subprocess with ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``
 (virtual CPU devices), and all of them start together when the module's
 first test asks for them, while the cheap tests run:
 
-* three single-process drivers (``gpt_test.drive``: ``train.main`` in-process
+* three single-process drivers (``gpt_driver.drive``: ``train.main`` in-process
   under absl's flagsaver, XLA's cheap LLVM settings, a private compilation
   cache) on 1 device (the reference), on 4 devices (``data:2,fsdp:2``, the
   reference of the two-process runs) and on 8 devices (meshes ``data:8``,
@@ -53,7 +53,7 @@ import threading
 import numpy as np
 import pytest
 
-import gpt_test as gpt
+import gpt_driver as gpt
 from benchmarks import harness
 from subprocesses import free_port, start, wait
 
@@ -61,7 +61,7 @@ REPO = gpt.REPO
 TRAIN = gpt.TRAIN
 BENCHMARK = os.path.join(REPO, "benchmarks", "sharding.py")
 STEPS, STOP = 10, 5
-# gpt_test's tiny model; 8 sequences so that a data axis of 8 gets one each.
+# The tests' tiny model; 8 sequences so that a data axis of 8 gets one each.
 TINY = {**gpt.TINY, "steps": STEPS, "batch_size": 8}
 MESHES_8 = ("data:8", "data:4,fsdp:2", "fsdp:8")
 SAVED_ON = "data:4,fsdp:2"  # restored onto fsdp:8 and onto one device
@@ -70,9 +70,7 @@ BENCHMARK_QUICK_MESHES = ("data:4,fsdp:2", "fsdp:8")
 RTOL = 2e-5  # float32 losses and parameters after 10 steps, reductions reordered
 
 
-def xla_env(devices: int, **extra: str) -> dict:
-  flags = f"{gpt.FAST_XLA} --xla_force_host_platform_device_count={devices}"
-  return {**os.environ, "XLA_FLAGS": flags, **extra}
+xla_env = gpt.xla_env
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -102,7 +100,7 @@ class Runs:
                                        "export_npz": self.export("fsdp:8 restore")})])
     self.benchmark = start(
         [sys.executable, BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
-        {**os.environ, "XLA_FLAGS": gpt.FAST_XLA}, os.path.join(tmp, "bench.log"))
+        gpt.xla_env(), os.path.join(tmp, "bench.log"))
     self.procs.append(self.benchmark)
     self.stopped = self.pair({"stop_after": STOP})
     self.resumed = None
@@ -126,19 +124,10 @@ class Runs:
 
   def driver(self, devices: int, runs: list[tuple[str, dict]]) -> None:
     specs = [{"name": name, "flags": self.flags(name, **flags)} for name, flags in runs]
-    spec_path = os.path.join(self.tmp, f"driver{devices}.json")
-    out_path = os.path.join(self.tmp, f"driver{devices}.out.json")
-    with open(spec_path, "w", encoding="utf-8") as f:
-      json.dump(specs, f)
     # No loss.png from the drivers (matplotlib's import and drawing are a
     # second of CPU per run); the two-process runs still plot.
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
-            "import gpt_test; gpt_test.drive(sys.argv[3], sys.argv[4], False, sys.argv[5])")
-    proc = start([sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
-                  spec_path, out_path, os.path.join(self.tmp, f"jax_cache{devices}")],
-                 xla_env(devices), os.path.join(self.tmp, f"driver{devices}.log"))
-    self.procs.append(proc)
-    self.drivers[devices] = (proc, out_path)
+    self.drivers[devices] = gpt.start_driver(self.tmp, str(devices), specs, xla_env(devices))
+    self.procs.append(self.drivers[devices][0])
 
   def pair(self, extra: dict) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
@@ -188,6 +177,7 @@ class Runs:
     assert runs, name
     for run in runs:
       assert run["error"] is None, f"{name} failed:\n{run['error']}"
+      assert run["exit"] is None, f"{name} exited: {run['exit']}"
     return runs
 
   def driver_run(self, devices: int, name: str) -> dict:

@@ -5,7 +5,7 @@ subprocess with ``--xla_force_host_platform_device_count`` (virtual CPU
 devices), and all of them start together when the module's first test asks
 for them:
 
-* four drivers (:func:`drive`: ``train.main`` in-process under absl's
+* four drivers (``gpt_driver.drive``: ``train.main`` in-process under absl's
   flagsaver, one interpreter for several runs, a private compilation cache):
   on 1 device the plain reference (scan blocks, so that their per-layer
   stats are logged); on 8 devices the start-up errors that need a mesh,
@@ -39,12 +39,11 @@ What is checked, against numbers:
   validation stops): one line, nothing written.
 
 The runs compile with XLA's cheap settings plus the CPU backend's older
-loop emitters (``--xla_cpu_use_fusion_emitters=false``), which compile the
-pipelined step about three times faster; every run here, reference
-included, uses the same settings.
+loop emitters (``--xla_cpu_use_fusion_emitters=false``; ``gpt_driver.FAST_XLA``),
+which compile the pipelined step about three times faster; every run here,
+reference included, uses the same settings.
 
-This file imports no other test module (so its Bazel target needs no extra
-data), and the pytest process itself never imports JAX.
+The pytest process itself never imports JAX.
 """
 
 import json
@@ -53,23 +52,19 @@ import re
 import subprocess
 import sys
 import threading
-import traceback
 
 import numpy as np
 import pytest
+
+import gpt_driver
+from gpt_driver import as_args, read_metrics, train_losses, xla_env
 from subprocesses import free_port, start, wait
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
-FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-            "--xla_cpu_use_fusion_emitters=false")
-STEPS, STOP = 20, 10
+REPO, TRAIN = gpt_driver.REPO, gpt_driver.TRAIN
+STEPS, STOP = gpt_driver.STEPS, 10
 # The tiniest model that 4 stages x 1 and 2 stages x 2 repeats divide; 8
-# sequences: 4 microbatches x a data axis of 2. One record per step;
-# evaluation at the last step only.
-TINY = dict(num_layers=4, d_model=16, num_heads=2, seq_len=16, batch_size=8,
-            steps=STEPS, learning_rate=1e-2, warmup_steps=1, log_every=1,
-            eval_every=1000, eval_batches=1, sample_tokens=0)
+# sequences: 4 microbatches x a data axis of 2.
+TINY = {**gpt_driver.TINY, "num_layers": 4, "batch_size": 8}
 GPIPE = {"mesh": "pipe:4,data:2", "pipeline": "gpipe", "microbatches": 4}
 CIRCULAR = {"mesh": "pipe:2,fsdp:2,data:2", "pipeline": "circular", "microbatches": 4,
             "pipeline_repeats": 2, "block": "scan"}
@@ -80,7 +75,8 @@ CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 7}),
          ("chain gpipe", {**GPIPE, "stop_after": 14, "resume": True}),
          ("chain plain again", {"mesh": "data:8", "resume": True}))
 # (devices, name, flags, fragments of the one line) of start-up errors that
-# need a mesh; they stop before the data is loaded.
+# need a mesh; the example's own, or stacktools' when set_up first traces the
+# model. None writes anything.
 MESH_ERRORS = (
     (1, "no pipe axis", {"pipeline": "gpipe"},
      ["error: --pipeline=gpipe places its stages on a pipe axis, which is missing "
@@ -88,85 +84,16 @@ MESH_ERRORS = (
     (8, "pipe axis without a pipeline", {"mesh": "pipe:4,data:2"},
      ["error: --mesh='pipe:4,data:2' has a pipe axis of 4", "--pipeline=gpipe"]),
     (8, "layers", {**GPIPE, "num_layers": 6},
-     ["error: --num_layers=6 is not divisible by the pipe axis (4)"]),
+     ["error: Stacked: num_layers=6 cannot be split into 4 stages",
+      "Make num_layers a multiple of 4"]),
     (8, "batch", {**GPIPE, "batch_size": 12},
      ["error: --batch_size=12 is not divisible by --microbatches (4) x the mesh's "
       "data axis (2) = 8"]),
     (8, "circular with few microbatches", {**GPIPE, "pipeline": "circular", "microbatches": 2},
-     ["error: --pipeline=circular needs --microbatches at least the pipe axis (4), got 2"]),
+     ["error: Stacked: a circular schedule needs at least as many microbatches as "
+      "stages", "got microbatches=2 for 4 stages"]),
 )
 ATOL = 1e-4  # float32 losses after 20 steps; only reductions are reordered
-
-
-def drive(spec_path: str, out_path: str, cache_dir: str) -> None:
-  """Runs ``train.main`` once per spec in this process; writes logs and errors.
-
-  Called in a fresh interpreter whose device count is set. Programs that
-  several runs share compile once, through a persistent compilation cache
-  private to this driver. A run that exits (``sys.exit``, as the binary's
-  start-up errors do) records its message.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  import logging as py_logging  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  flags.FLAGS(["train"])
-  logging.set_verbosity(logging.INFO)
-  lines = []
-  handler = py_logging.Handler()
-  handler.emit = lambda record: lines.append(record.getMessage())
-  py_logging.getLogger("absl").addHandler(handler)
-  with open(spec_path, encoding="utf-8") as f:
-    specs = json.load(f)
-  results = []
-  for spec in specs:
-    del lines[:]
-    error = exit_message = None
-    try:
-      with flagsaver.flagsaver(**spec["flags"]):
-        train.main(["train"])
-    except SystemExit as e:
-      exit_message = str(e.code)
-    except BaseException:  # pylint: disable=broad-except
-      error = traceback.format_exc()
-    results.append({"name": spec["name"], "error": error, "exit": exit_message,
-                    "log": "\n".join(lines)})
-  with open(out_path, "w", encoding="utf-8") as f:
-    json.dump({"runs": results}, f)
-
-
-def xla_env(devices: int) -> dict:
-  return {**os.environ, "XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count={devices}"}
-
-
-def as_args(flags: dict) -> list[str]:
-  return [f"--{k}={v}" for k, v in flags.items()]
-
-
-def write_corpus(path: str) -> str:
-  """A few KB of simple English, deterministic."""
-  sentences = ("the cat sat on the mat.", "a dog ran to the red ball.",
-               "we like to read a good book at night.", "she sang a song in the garden.",
-               "it is a fine day for a walk by the river.", "he drank a cup of hot tea.")
-  lines = [" ".join(sentences[(i * k) % len(sentences)] for k in (1, 2, 5))
-           for i in range(120)]
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  return path
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
-
-
-def train_losses(workdir: str) -> np.ndarray:
-  return np.array([r["train_loss"] for r in read_metrics(workdir)])
 
 
 class Runs:
@@ -174,7 +101,7 @@ class Runs:
 
   def __init__(self, tmp: str):
     self.tmp = tmp
-    self.corpus = write_corpus(os.path.join(tmp, "text.txt"))
+    self.corpus = gpt_driver.write_corpus(os.path.join(tmp, "text.txt"))
     self.procs, self.drivers, self.driver_of = [], {}, {}
     self.driver("one", 1, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
                            if devices == 1] + [("reference", {"block": "scan"})])
@@ -198,18 +125,7 @@ class Runs:
 
   def driver(self, key: str, devices: int, runs: list[tuple[str, dict]]) -> None:
     specs = [{"name": name, "flags": self.flags(name, **flags)} for name, flags in runs]
-    label = key.replace(" ", "_")
-    spec_path = os.path.join(self.tmp, f"driver_{label}.json")
-    out_path = os.path.join(self.tmp, f"driver_{label}.out.json")
-    with open(spec_path, "w", encoding="utf-8") as f:
-      json.dump(specs, f)
-    # No loss.png from the drivers: matplotlib's import and drawing cost a
-    # second of CPU per run.
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
-            "import gpt_pipeline_test as t; t.drive(*sys.argv[3:6])")
-    proc = start([sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
-                  spec_path, out_path, os.path.join(self.tmp, f"jax_cache_{label}")],
-                 xla_env(devices), os.path.join(self.tmp, f"driver_{label}.log"))
+    proc, out_path = gpt_driver.start_driver(self.tmp, key, specs, xla_env(devices))
     self.procs.append(proc)
     self.drivers[key] = (proc, out_path)
     self.driver_of.update((name, key) for name, _ in runs)
@@ -226,9 +142,7 @@ class Runs:
       # CPU), and with a compilation cache of its own per process index
       # (only process 0 writes one, so the resumed pair's process 0 reuses
       # the programs of the stopped pair's).
-      env = {**xla_env(2), "JAX_COMPILATION_CACHE_DIR": os.path.join(self.tmp, f"jax_cache_mp{i}"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+      env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, f"jax_cache_mp{i}")))
       code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
       procs.append(start([sys.executable, "-c", code, TRAIN, *as_args(flags)], env, log))

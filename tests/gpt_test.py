@@ -1,10 +1,10 @@
 """Tests for the GPT example (examples/gpt): training, resume, decoding, CLI.
 
 Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
-batched into two driver subprocesses started once per module (each calls
-:func:`drive` of this file). One interpreter then pays the JAX import for
-many runs, the two drivers use both cores, and the drivers compile with
-XLA's cheap LLVM settings (``FAST_XLA``, which changes how fast the code is
+batched into two driver subprocesses started once per module
+(``gpt_driver.drive``). One interpreter then pays the JAX import for many
+runs, the two drivers use both cores, and the drivers compile with XLA's
+cheap settings (``gpt_driver.FAST_XLA``, which changes how fast the code is
 compiled, not what it computes) and a private persistent compilation cache,
 without touching the pytest process. The drivers also report whether
 ``import stacktools`` imported TensorFlow or Orbax, and whether the runs
@@ -40,7 +40,6 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 
 import haiku as hk
 import jax
@@ -49,36 +48,27 @@ import numpy as np
 import pytest
 
 from examples.gpt import model as model_lib
+import gpt_driver
 import stacktools as st
+from subprocesses import wait
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
 except ImportError:
   from jax._src.ad_checkpoint import saved_residuals
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
-SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
-FAST_XLA = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-            "--xla_cpu_use_fusion_emitters=false")
-
+TRAIN, SAMPLE = gpt_driver.TRAIN, gpt_driver.SAMPLE
+NUM_LAYERS, STEPS, TINY = gpt_driver.NUM_LAYERS, gpt_driver.STEPS, gpt_driver.TINY
+WORKDIR_FILES = gpt_driver.WORKDIR_FILES
 REMATS = ("none", "full", "nested", "offload", "save_all")
 BLOCKS = ("fold", "scan")
-NUM_LAYERS = 2
-STEPS = 20
-# A tiny model; one record per step; evaluation only at the last step.
-TINY = dict(num_layers=NUM_LAYERS, d_model=16, num_heads=2, seq_len=16,
-            batch_size=4, steps=STEPS, learning_rate=1e-2, warmup_steps=1,
-            log_every=1, eval_every=1000, eval_batches=1, sample_tokens=0)
-WORKDIR_FILES = {"checkpoints", "metrics.jsonl"}  # and loss.png, with matplotlib
 # Left as if by writes killed mid-way, in this run's workdir before it starts.
 STALE_RUN = "save_names"
 STALE_TEMP_FILES = (".loss.png.0123abcd.tmp", ".metrics.jsonl.89abcdef.tmp")
-SENTENCES = (
-    "the cat sat on the mat.", "a dog ran to the red ball.",
-    "we like to read a good book at night.", "she sang a song in the garden.",
-    "it is a fine day for a walk by the river.", "he drank a cup of hot tea.",
-)
+as_args, listing, assert_only_outputs = (gpt_driver.as_args, gpt_driver.listing,
+                                         gpt_driver.assert_only_outputs)
+read_metrics, train_losses = gpt_driver.read_metrics, gpt_driver.train_losses
+load_checkpoint, load_meta = gpt_driver.load_checkpoint, gpt_driver.load_meta
 
 
 def _run_name(remat: str, block: str) -> str:
@@ -109,85 +99,27 @@ def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
   return [fold, scan]
 
 
-def drive(spec_path: str, out_path: str, tf_after_import, cache_dir: str) -> None:
-  """Runs ``train.main`` once per spec in this process; writes errors and logs.
-
-  Called in a fresh interpreter, which imported stacktools first and says
-  which of TensorFlow and Orbax that imported (``tf_after_import``, a list;
-  False when not checked). Programs that several runs share (the
-  init, most evaluations, the resumed run's step) compile once, through a
-  persistent compilation cache private to this driver.
-  """
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  import logging as py_logging  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  flags.FLAGS(["train"])
-  logging.set_verbosity(logging.INFO)
-  lines = []
-  handler = py_logging.Handler()
-  handler.emit = lambda record: lines.append(record.getMessage())
-  py_logging.getLogger("absl").addHandler(handler)
-  with open(spec_path, encoding="utf-8") as f:
-    specs = json.load(f)
-  results = []
-  for spec in specs:
-    del lines[:]
-    error = None
-    try:
-      with flagsaver.flagsaver(**spec["flags"]):
-        train.main(["train"])
-    except BaseException:  # pylint: disable=broad-except
-      error = traceback.format_exc()
-    results.append({"name": spec["name"], "error": error, "log": "\n".join(lines)})
-  out = {"runs": results, "tf_after_import": tf_after_import,
-         "tf_after_runs": "tensorflow" in sys.modules}
-  with open(out_path, "w", encoding="utf-8") as f:
-    json.dump(out, f)
-
-
 class Drivers:
   """The driver subprocesses, started at once; ``result`` waits for them."""
 
   def __init__(self, tmp: str, data_path: str):
     self.tmp = tmp
     self.data_path = data_path
-    env = {**os.environ, "XLA_FLAGS": FAST_XLA}
     os.makedirs(self.workdir(STALE_RUN))
     for name in STALE_TEMP_FILES:
       with open(os.path.join(self.workdir(STALE_RUN), name), "wb") as f:
         f.write(b"half a file")
-    self.procs = []
-    for i, specs in enumerate(_driver_specs(tmp, data_path)):
-      spec_path = os.path.join(tmp, f"driver{i}.json")
-      out_path = os.path.join(tmp, f"driver{i}.out.json")
-      with open(spec_path, "w", encoding="utf-8") as f:
-        json.dump(specs, f)
-      # Output to a file: a pipe nobody reads while other tests run could fill.
-      output = open(os.path.join(tmp, f"driver{i}.log"), "w+", encoding="utf-8")
-      code = ("import sys; import stacktools; "
-              "tf = [m for m in ('tensorflow', 'orbax') if m in sys.modules]; "
-              "sys.path[:0] = sys.argv[1:3]; import gpt_test; "
-              "gpt_test.drive(sys.argv[3], sys.argv[4], tf, sys.argv[5])")
-      proc = subprocess.Popen(
-          [sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__)),
-           spec_path, out_path, os.path.join(tmp, f"jax_cache{i}")],
-          cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-      self.procs.append((proc, out_path, output))
+    self.procs = [gpt_driver.start_driver(tmp, str(i), specs, gpt_driver.xla_env(),
+                                          plot=True, check_imports=True)
+                  for i, specs in enumerate(_driver_specs(tmp, data_path))]
     self._result = None
 
   def result(self) -> dict:
     """``{"runs": {name: [runs of that name, in order]}, "tf": [(bool, bool)]}``."""
     if self._result is None:
       runs, tf = {}, []
-      for proc, out_path, output in self.procs:
-        proc.wait(timeout=600)
-        output.seek(0)
-        assert proc.returncode == 0, f"driver failed:\n{output.read()[-5000:]}"
+      for proc, out_path in self.procs:
+        wait(proc)
         with open(out_path, encoding="utf-8") as f:
           out = json.load(f)
         for run in out["runs"]:
@@ -200,49 +132,18 @@ class Drivers:
     """The named run's log, after checking that it raised nothing."""
     run = self.result()["runs"][name][index]
     assert run["error"] is None, f"run {name} failed:\n{run['error']}"
+    assert run["exit"] is None, f"run {name} exited: {run['exit']}"
     return run
 
   def workdir(self, name: str) -> str:
     return os.path.join(self.tmp, name)
 
   def close(self) -> None:
-    for proc, _, output in self.procs:
+    for proc, _ in self.procs:
       if proc.poll() is None:
         proc.kill()
         proc.wait()
-      output.close()
-
-
-def write_corpus(path: str, repeats: int = 120) -> str:
-  """A few KB of simple English, deterministic."""
-  lines = [" ".join(SENTENCES[(i * k) % len(SENTENCES)] for k in (1, 2, 5))
-           for i in range(repeats)]
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  return path
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
-
-
-def load_checkpoint(workdir: str) -> dict[str, np.ndarray]:
-  """The latest checkpoint's arrays on the host, read through Orbax whatever
-  mesh saved them: ``{"params/h/block/fc/w": ..., "opt_state/...": ...}``."""
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
-  return {f"{item}/{key}": value for item in ("params", "opt_state")
-          for key, value in checkpoint.read_arrays(workdir, item=item).items()}
-
-
-def load_meta(workdir: str) -> dict:
-  """The latest checkpoint's metadata (step, sampler state, config, chars)."""
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
-  return checkpoint.latest(workdir)[1]
-
-
-def train_losses(workdir: str) -> np.ndarray:
-  return np.array([r["train_loss"] for r in read_metrics(workdir)])
+      proc.log.close()
 
 
 def compiled_temp_mib(log: str) -> float:
@@ -253,8 +154,8 @@ def compiled_temp_mib(log: str) -> float:
 
 def cli(script: str, *args: str) -> subprocess.Popen:
   """Starts ``python script args``; collect it with :func:`finish`."""
-  return subprocess.Popen([sys.executable, script, *args], cwd=REPO,
-                          env={**os.environ, "XLA_FLAGS": FAST_XLA},
+  return subprocess.Popen([sys.executable, script, *args], cwd=gpt_driver.REPO,
+                          env=gpt_driver.xla_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -263,22 +164,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
   return proc.returncode, stdout, stderr
 
 
-def as_args(flags: dict) -> list[str]:
-  return [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in flags.items()]
-
-
-def listing(path: str) -> set[str]:
-  return set(os.listdir(path)) if os.path.exists(path) else set()
-
-
-def assert_only_outputs(workdir: str) -> None:
-  """The run's outputs and no temporary or partial files."""
-  assert listing(workdir) - {"loss.png"} == WORKDIR_FILES, listing(workdir)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-  return write_corpus(str(tmp_path_factory.mktemp("data") / "text.txt"))
+  return gpt_driver.write_corpus(str(tmp_path_factory.mktemp("data") / "text.txt"))
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +234,10 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       ("sample_no_ckpt", SAMPLE, {"workdir": str(empty)},
        ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
       ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
-       ["--nested_outer=7 is larger than --num_layers=2"]),
+       ["error: Stacked: CheckpointPolicy(nested=7)", "only 2 steps", "between 1 and 2"]),
       ("per_depth_count", TRAIN, {"remat": "none:1,full:2", "num_layers": 2},
-       ["--remat=none:1,full:2 covers 3 layers, but --num_layers=2"]),
+       ["error: Stacked: st.per_depth(none:1,full:2) covers 3 layers",
+        "the stack has 2"]),
       ("per_depth_alias", TRAIN, {"remat": "none:1,bogus:1"},
        ["--remat:", "remat='bogus' is not a checkpoint policy"]),
       ("auto_no_budget", TRAIN, {"remat": "auto"},

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import fast_compile
 import stacktools as st
-from stacktools.loops import nested_split
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
@@ -44,7 +44,7 @@ SYNONYMS = {False: "none", None: "none", True: "full"}
 
 # The numbers do not depend on XLA's backend optimisations, and without them
 # the small loops here compile about a third faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = fast_compile.CODEGEN
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +311,12 @@ def test_length_matching_xs_is_accepted():
 
 
 # ---------------------------------------------------------------------------
-# nested_split.
+# CheckpointPolicy.nested_split.
+
+
+def nested_split(n, nested):
+  """How ``CheckpointPolicy(nested=nested)`` splits a loop of ``n`` steps."""
+  return st.CheckpointPolicy(nested=nested).nested_split(n)
 
 
 @pytest.mark.parametrize("n", range(1, 101))
@@ -341,9 +346,9 @@ def test_nested_split_int(n, nested, want):
 
 
 def test_nested_split_docstring_example_holds():
-  doc = nested_split.__doc__
-  match = re.search(r"nested_split\((\d+), True\)\s*#\s*\((\d+), (\d+), (\d+)\)",
-                    doc)
+  doc = st.CheckpointPolicy.nested_split.__doc__
+  match = re.search(r"CheckpointPolicy\(nested=True\)\.nested_split\((\d+)\)"
+                    r"\s*#\s*\((\d+), (\d+), (\d+)\)", doc)
   assert match, doc
   n, *want = (int(g) for g in match.groups())
   assert nested_split(n, True) == tuple(want)
@@ -352,6 +357,11 @@ def test_nested_split_docstring_example_holds():
 def test_nested_split_rejects_empty_loop():
   with pytest.raises(ValueError, match="length >= 1"):
     nested_split(0, True)
+
+
+def test_nested_split_of_a_policy_that_is_not_nested():
+  with pytest.raises(ValueError, match="not nested"):
+    st.CheckpointPolicy().nested_split(5)
 
 
 # ---------------------------------------------------------------------------

@@ -144,9 +144,9 @@ def test_nested_outer_larger_than_stack_is_an_error():
       hk.transform(lambda x: cls(_Linear, 2, remat=st.CheckpointPolicy(nested=7))
                    .fold(x)).init(jax.random.PRNGKey(0), jnp.ones((1, D)))
   with pytest.raises(ValueError, match=r"between 1 and 5"):
-    st.nested_split(5, 6)
+    st.CheckpointPolicy(nested=6).nested_split(5)
   # The outer size equal to the length is fine: one step per chunk.
-  assert st.nested_split(5, 5) == (5, 1, 0)
+  assert st.CheckpointPolicy(nested=5).nested_split(5) == (5, 1, 0)
 
 
 # ---------------------------------------------------------------------------

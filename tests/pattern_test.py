@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import fast_compile
 import stacktools as st
 
 from haiku_helpers import assert_close, random_like, random_x, signature
@@ -34,8 +35,8 @@ KEY = jax.random.PRNGKey(0)
 P5 = ("L",) * 5 + ("G",)   # the 5:1 pattern
 PLG = ("L", "G")
 # XLA options that halve the CPU compile time; they change LLVM's code
-# generation only, never what is computed (benchmarks/instruments.py).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# generation only, never what is computed.
+FAST = fast_compile.CODEGEN
 W_INIT = hk.initializers.RandomUniform(-0.5, 0.5)   # compiles faster than truncated normal
 
 

@@ -99,12 +99,12 @@ def test_per_depth_nested_outer_checked_per_segment():
     st.fold(_step, remat=remat)(jnp.ones((B, D)), _weights())
 
 
-def test_parse_per_depth():
-  assert st.parse_per_depth("none:2, full:4") == st.per_depth((2, "none"), (4, "full"))
-  assert str(st.parse_per_depth("nested:3,offload:1")) == "nested:3,offload:1"
+def test_per_depth_parses_a_spec_string():
+  assert st.per_depth("none:2, full:4") == st.per_depth((2, "none"), (4, "full"))
+  assert str(st.per_depth("nested:3,offload:1")) == "nested:3,offload:1"
   for bad in ("none", "none:two", "none:2;full:4", "bogus:2"):
     with pytest.raises(ValueError):
-      st.parse_per_depth(bad)
+      st.per_depth(bad)
 
 
 def test_per_depth_memory_lies_between_its_policies():
@@ -273,7 +273,7 @@ def test_plan_chooses_fewest_flops_within_budget(one_stack_report):
   report, step, params, x = one_stack_report
   by = {row.plan["h0"]: row for row in report.rows}
   budget = (by["full"].temp_bytes + by["none"].temp_bytes) // 2
-  plan = st.RematPlan.from_report(report, budget=budget, by_time=False)
+  plan = report.plan(budget=budget, by_time=False)
   fits = [r for r in report.rows if r.temp_bytes <= budget]
   chosen = plan.report.chosen
   assert chosen.temp_bytes <= budget
@@ -300,7 +300,7 @@ def test_budget_below_every_candidate(one_stack_report):
   smallest = min(r.temp_bytes for r in report.rows)
   with pytest.raises(ValueError, match=rf"No remat plan fits budget='1KiB'.*smallest "
                      rf"compiled temp memory is .*\({smallest} bytes\), with plan"):
-    st.RematPlan.from_report(report, budget="1KiB", by_time=False)
+    report.plan(budget="1KiB", by_time=False)
 
 
 def test_auto_outside_a_plan_says_how_to_make_one():

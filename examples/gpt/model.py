@@ -87,8 +87,8 @@ class GPTConfig:
     window: how many positions (its own included) an ``L`` layer attends to.
     bias: whether the linear layers and layer norms have biases (offsets);
       nanoGPT's default is without.
-    pipeline: an ``st.Pipeline`` for the stack (``stack="scan"``, no
-      pattern), or ``None``. Not part of the model's shape: checkpoints
+    pipeline: an ``st.Pipeline`` for the stack (``stack="scan"``), or
+      ``None``. Not part of the model's shape: checkpoints
       leave it out, and a pipelined run resumes a plain one's and back.
   """
 
@@ -126,10 +126,10 @@ class GPTConfig:
       raise ValueError(f"window={self.window} is the span of L layers, but "
                        f"pattern={self.pattern!r} has none; drop the window or "
                        "add L layers to the pattern.")
-    if self.pipeline is not None and (self.stack != "scan" or self.pattern):
-      raise ValueError(f"pipeline= needs stack='scan' and no pattern (got stack="
-                       f"{self.stack!r}, pattern={self.pattern!r}): a pipeline "
-                       "splits the layers of one st.Stacked of one block.")
+    if self.pipeline is not None and self.stack != "scan":
+      raise ValueError(f"pipeline= needs stack='scan' (got stack={self.stack!r}): "
+                       "a pipeline splits the layers of one st.Stacked; st.BlockSeq "
+                       "has none.")
 
   def kind_count(self, letter: str) -> int:
     """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""

@@ -51,13 +51,12 @@ from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 
-REMAT_CHOICES = tuple(st.REMAT_ALIASES)
 #: The --remat aliases that recompute, so that --save_names can keep something.
 SAVES_NAMES = ("full", "nested", "offload")
 
 _REMAT = flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
-    f"{', '.join(REMAT_CHOICES)}; 'auto' (planned under --memory_budget); or "
+    f"{', '.join(st.REMAT_ALIASES)}; 'auto' (planned under --memory_budget); or "
     "per-depth segments alias:layers, e.g. none:2,full:6 (the layers add up to "
     "--num_layers).")
 _MEMORY_BUDGET = flags.DEFINE_string(
@@ -163,41 +162,32 @@ flags.register_multi_flags_validator(
 flags.register_validator(
     "save_names", lambda names: set(names or ()) <= set(model_lib.CHECKPOINT_NAMES),
     message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
+
+
 def _check_remat(f: dict[str, Any]) -> bool:
-  # Raises to name what was wrong, which a fixed message cannot.
-  remat, layers, budget = f["remat"], f["num_layers"], f["memory_budget"]
+  # The flag combinations are this binary's; the policy itself is read by
+  # stacktools, which says what is wrong with it. What needs the depth (the
+  # per-depth counts, the nested outer size) is checked when set_up traces
+  # the model.
+  remat = f["remat"]
   if remat == "auto":
-    if budget is None:
+    if f["memory_budget"] is None:
       raise flags.ValidationError(
           "--remat=auto needs --memory_budget (e.g. --memory_budget=48MiB): the "
           "plan is the fastest within that much compiled temp memory.")
-    try:
-      st.report.parse_bytes(budget)
-    except (TypeError, ValueError) as e:
-      raise flags.ValidationError(f"--memory_budget: {e}") from None
     return True
-  if budget is not None or f["remat_candidates"] is not None:
+  if f["memory_budget"] is not None or f["remat_candidates"] is not None:
     raise flags.ValidationError("--memory_budget and --remat_candidates need "
                                 "--remat=auto.")
-  if remat in REMAT_CHOICES:
-    return True
-  if ":" not in remat:
-    raise flags.ValidationError(
-        f"--remat={remat!r} is not accepted: use one of {', '.join(REMAT_CHOICES)}, "
-        "auto, or per-depth segments such as none:2,full:6.")
   try:
-    segments = st.parse_per_depth(remat)
+    checkpoint_policy(remat, None, None)
   except (TypeError, ValueError) as e:
     raise flags.ValidationError(f"--remat: {e}") from None
-  if segments.num_layers != layers:
-    raise flags.ValidationError(
-        f"--remat={remat} covers {segments.num_layers} layers, but "
-        f"--num_layers={layers}; make the segment sizes add up to {layers}.")
   return True
 
 
 flags.register_multi_flags_validator(
-    ["remat", "num_layers", "memory_budget", "remat_candidates"], _check_remat)
+    ["remat", "memory_budget", "remat_candidates"], _check_remat)
 flags.register_multi_flags_validator(
     ["save_names", "remat"],
     lambda f: not f["save_names"] or f["remat"] in SAVES_NAMES,
@@ -211,22 +201,9 @@ flags.register_multi_flags_validator(
     message="--nested_outer needs --remat=nested.")
 
 
-def _check_nested_outer(f: dict[str, Any]) -> bool:
-  # Raises to put both values in the message, which a fixed one cannot.
-  outer, layers = f["nested_outer"], f["num_layers"]
-  if outer is not None and outer > layers:
-    raise flags.ValidationError(
-        f"--nested_outer={outer} is larger than --num_layers={layers}; the outer "
-        f"loop takes 1 to {layers} steps: pass --nested_outer<={layers}, or omit "
-        "it for the split that keeps the fewest carries.")
-  return True
-
-
-flags.register_multi_flags_validator(["nested_outer", "num_layers"], _check_nested_outer)
-
-
 def _check_pipeline(f: dict[str, Any]) -> bool:
-  # What the flags alone rule out; what needs the mesh is checked in set_up.
+  # What the flags alone rule out; what needs the mesh is checked in set_up,
+  # and what needs the depth when set_up traces the model.
   pipeline = f["pipeline"]
   if pipeline == "none":
     given = [name for name in ("microbatches", "pipeline_repeats") if f[name] is not None]
@@ -236,48 +213,17 @@ def _check_pipeline(f: dict[str, Any]) -> bool:
           "--pipeline=gpipe or circular (and a pipe axis in --mesh, e.g. "
           "--mesh=pipe:4,data:2).")
     return True
-  if pipeline == "gpipe" and f["pipeline_repeats"] not in (None, 1):
+  if f["remat"] == "auto":
+    # The planner's candidates include per-depth mixes, which a pipeline
+    # refuses; refused here rather than after compiling the first of them.
     raise flags.ValidationError(
-        f"--pipeline_repeats={f['pipeline_repeats']} needs --pipeline=circular: a "
-        "gpipe stage holds one contiguous block of layers.")
-  if f["stack"] != "scan" or f["pattern"]:
-    raise flags.ValidationError(
-        f"--pipeline={pipeline} splits the layers of one st.Stacked of one block: "
-        "it needs --stack=scan and no --pattern.")
-  remat = f["remat"]
-  if remat == "auto" or ":" in remat:
-    raise flags.ValidationError(
-        f"--pipeline={pipeline} runs every stage with one checkpoint policy: pass "
-        f"--remat as one of {', '.join(REMAT_CHOICES)} (not {remat}).")
+        f"--pipeline={pipeline} runs every stage with one checkpoint policy, which "
+        "--remat=auto does not fix: pass --remat as one policy (e.g. full or nested).")
   return True
 
 
 flags.register_multi_flags_validator(
-    ["pipeline", "microbatches", "pipeline_repeats", "stack", "pattern", "remat"],
-    _check_pipeline)
-flags.register_validator(
-    "pattern", lambda p: set(p) <= set(model_lib.KINDS),
-    message="--pattern takes the letters L (sliding-window attention) and G (full "
-    "attention), e.g. --pattern=LLLG.")
-
-
-def _check_pattern(f: dict[str, Any]) -> bool:
-  pattern, window, seq_len = f["pattern"], f["window"], f["seq_len"]
-  if "L" in pattern and window > seq_len:
-    raise flags.ValidationError(
-        f"--window={window} is longer than --seq_len={seq_len}: an L layer would "
-        "attend to every position, as a G layer does. Pass --window<=--seq_len.")
-  periods = f["num_layers"] // len(pattern) if pattern else None
-  if pattern and f["nested_outer"] is not None and f["nested_outer"] > periods:
-    raise flags.ValidationError(
-        f"--nested_outer={f['nested_outer']} is larger than the {periods} whole "
-        f"periods of --pattern={pattern} in --num_layers={f['num_layers']}; with a "
-        f"pattern, nested splits whole periods: pass --nested_outer<={periods}.")
-  return True
-
-
-flags.register_multi_flags_validator(
-    ["pattern", "window", "seq_len", "num_layers", "nested_outer"], _check_pattern)
+    ["pipeline", "microbatches", "pipeline_repeats", "remat"], _check_pipeline)
 
 
 def checkpoint_policy(remat: str, save_names: Optional[list[str]],
@@ -287,11 +233,14 @@ def checkpoint_policy(remat: str, save_names: Optional[list[str]],
   ``save_names=None`` (the flag's default) keeps
   ``model.KEPT_MATMUL_OUTPUTS`` under the aliases that recompute (``full``,
   ``nested``, ``offload``).
+
+  Raises:
+    ValueError, TypeError: stacktools' own, for a --remat it does not accept.
   """
   if remat == "auto":
     return remat
   if ":" in remat:
-    return st.parse_per_depth(remat)
+    return st.per_depth(remat)
   policy = st.CheckpointPolicy.from_remat(remat)
   if save_names is None:
     save_names = list(model_lib.KEPT_MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
@@ -305,11 +254,35 @@ def checkpoint_policy(remat: str, save_names: Optional[list[str]],
 def remat_text(remat: Any) -> str:
   """A remat value as the log shows it: an alias (with the names it keeps),
   or per_depth(...)."""
-  names = getattr(remat, "save_block_internals", False)
+  if not isinstance(remat, st.CheckpointPolicy):
+    return f"per_depth({remat})"
+  names = remat.save_block_internals
   if isinstance(names, bool) or not names:
-    return st.segments.describe_remat(st.segments.as_remat(remat))
-  alias = st.segments.describe_remat(dataclasses.replace(remat, save_block_internals=False))
-  return f"{alias}, save_names={','.join(names)}"
+    return str(remat)
+  return f"{dataclasses.replace(remat, save_block_internals=False)}, save_names={','.join(names)}"
+
+
+def transform(cfg: model_lib.GPTConfig) -> hk.Transformed:
+  """The model's loss: ``(params, tokens) -> (loss, stats)``."""
+  return hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+
+
+def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Array,
+                tokens: np.ndarray) -> Any:
+  """Traces init and loss once, abstractly, under the mesh; returns the
+  parameters' shapes.
+
+  Compiles and allocates nothing; what stacktools refuses in the model's
+  stack raises here (ValueError or TypeError, one line). ``remat="auto"``
+  is traced as "none", the planner's business being the candidates.
+  """
+  if cfg.remat == "auto":
+    cfg = dataclasses.replace(cfg, remat="none")
+  model = transform(cfg)
+  with jax.set_mesh(mesh):   # a pipelined stack checks itself against the mesh
+    shapes = jax.eval_shape(model.init, key, tokens)
+    jax.eval_shape(model.apply, shapes, tokens)
+  return shapes
 
 
 def make_train_step(model: hk.Transformed,
@@ -336,7 +309,7 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
   Returns:
     ``cfg`` with the chosen remat in place of "auto".
   """
-  model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  model = transform(cfg)
   logging.info("Planning --remat=auto within --memory_budget=%s: compiling and "
                "timing every candidate.", _MEMORY_BUDGET.value)
   start = time.perf_counter()
@@ -361,22 +334,22 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
   return dataclasses.replace(cfg, remat=chosen)
 
 
-def make_pipeline(mesh_sizes: dict[str, int], mesh_spec: str, num_layers: int,
+def make_pipeline(mesh_sizes: dict[str, int], mesh_spec: str,
                   batch_size: int) -> Optional[st.Pipeline]:
   """The ``st.Pipeline`` that --pipeline asks for, checked against the mesh.
 
   Exits with one line when the mesh and the flags do not fit together: a
   pipeline without a pipe axis, a pipe axis larger than 1 without a pipeline
   (it would only replicate the work; refused rather than made a gpipe, so
-  that the schedule and --microbatches are always chosen, never guessed),
-  layers that the stages x repeats do not divide, a batch that the
-  microbatches x data axis do not divide, or a circular schedule with fewer
-  microbatches than stages.
+  that the schedule and --microbatches are always chosen, never guessed), a
+  batch that the microbatches x data axis do not divide, or what
+  ``st.Pipeline`` refuses. What needs the depth (layers that the stages x
+  repeats do not divide, a circular schedule with fewer microbatches than
+  stages) stacktools says when set_up traces the model.
 
   Args:
     mesh_sizes: from ``distributed.parse_mesh``.
     mesh_spec: --mesh as given, for the messages.
-    num_layers: --num_layers.
     batch_size: --batch_size.
 
   Returns:
@@ -393,25 +366,19 @@ def make_pipeline(mesh_sizes: dict[str, int], mesh_spec: str, num_layers: int,
     sys.exit(f"error: --pipeline={kind} places its stages on a pipe axis, which is "
              f"missing from --mesh={mesh_spec!r}; add one, e.g. "
              "--mesh=pipe:4,data:2 (the sizes multiply to the device count).")
-  repeats = _PIPELINE_REPEATS.value or 1
-  microbatches = _MICROBATCHES.value or pipe
-  if num_layers % (pipe * repeats):
-    sys.exit(f"error: --num_layers={num_layers} is not divisible by the pipe axis "
-             f"({pipe}) x --pipeline_repeats ({repeats}) = {pipe * repeats}: each "
-             "stage holds --pipeline_repeats chunks of as many layers. Change "
-             "--num_layers, the pipe axis or --pipeline_repeats.")
-  if kind == "circular" and microbatches < pipe:
-    sys.exit(f"error: --pipeline=circular needs --microbatches at least the pipe axis "
-             f"({pipe}), got {microbatches}: a microbatch must be back at the first "
-             f"stage before its next repeat. Pass --microbatches>={pipe}, or "
-             "--pipeline=gpipe.")
-  data = mesh_sizes["data"]
+  try:
+    pipeline = st.Pipeline(axis=distributed.PIPE, microbatches=_MICROBATCHES.value or pipe,
+                           schedule=kind, repeats=_PIPELINE_REPEATS.value or 1)
+  except (TypeError, ValueError) as e:
+    sys.exit(f"error: {e}")
+  # The batch is split over the data axis (distributed.batch_sharding), then
+  # each shard into microbatches: this binary's layout, not the stack's.
+  microbatches, data = pipeline.microbatches, mesh_sizes["data"]
   if batch_size % (microbatches * data):
     sys.exit(f"error: --batch_size={batch_size} is not divisible by --microbatches "
              f"({microbatches}) x the mesh's data axis ({data}) = {microbatches * data}; "
              "each microbatch of each data shard needs the same number of sequences.")
-  return st.Pipeline(axis=distributed.PIPE, microbatches=microbatches, schedule=kind,
-                     repeats=repeats)
+  return pipeline
 
 
 def make_optimizer(steps: int) -> optax.GradientTransformation:
@@ -589,26 +556,37 @@ def set_up(argv) -> Run:
     sys.exit(f"error: --batch_size={_BATCH_SIZE.value} is not divisible by the "
              f"mesh's data axis ({mesh_sizes['data']}); each data shard needs "
              "the same number of sequences.")
-  pipeline = make_pipeline(mesh_sizes, _MESH.value, _NUM_LAYERS.value, _BATCH_SIZE.value)
+  pipeline = make_pipeline(mesh_sizes, _MESH.value, _BATCH_SIZE.value)
   is_chief = jax.process_index() == 0
   dataset = load_data()
   check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
   if resume_meta is not None and "chars" in resume_meta:
     check_chars(resume_meta["chars"], dataset.chars, workdir)
+  sampler = data_lib.BatchSampler(dataset.train, _BATCH_SIZE.value, _SEQ_LEN.value,
+                                  _SEED.value)
+  mesh = distributed.make_mesh(mesh_sizes)
+  init_key = jax.random.PRNGKey(_SEED.value)
+  # What stacktools refuses in the model the flags describe (per-depth counts
+  # or a nested outer size against the depth, layers the pipeline stages do
+  # not divide, ...) it says here, before anything is compiled or written.
+  try:
+    cfg = model_lib.GPTConfig(
+        vocab_size=dataset.vocab_size, seq_len=_SEQ_LEN.value,
+        num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
+        d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
+        remat=checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value),
+        unroll=_UNROLL.value, pattern=_PATTERN.value,
+        window=_WINDOW.value if "L" in _PATTERN.value else 0, bias=_BIAS.value,
+        pipeline=pipeline)
+    param_shapes = trace_model(cfg, mesh, init_key, sampler_peek(sampler))
+  except (TypeError, ValueError) as e:
+    sys.exit(f"error: {e}")
   if is_chief:
     # A run killed mid-write left these; no write is under way now.
     stale = files.remove_stale_temp_files(workdir)
     if stale:
       logging.info("Removed %d stale temporary file(s) of an interrupted write "
                    "from %s: %s", len(stale), workdir, ", ".join(stale))
-  policy = checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value)
-  cfg = model_lib.GPTConfig(
-      vocab_size=dataset.vocab_size, seq_len=_SEQ_LEN.value,
-      num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
-      d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
-      remat=policy, unroll=_UNROLL.value, pattern=_PATTERN.value,
-      window=_WINDOW.value if "L" in _PATTERN.value else 0, bias=_BIAS.value,
-      pipeline=pipeline)
   steps = _STEPS.value
   last_step = steps if _STOP_AFTER.value is None else _STOP_AFTER.value
   logging.info("Corpus: %d training and %d validation characters, %d symbols; "
@@ -616,36 +594,21 @@ def set_up(argv) -> Run:
                len(dataset.valid), dataset.vocab_size, dataset.unigram_entropy())
   logging.info("Model: %s", cfg)
 
-  model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  model = transform(cfg)
   optimizer = make_optimizer(steps)
   eval_sampler = data_lib.BatchSampler(dataset.valid, _BATCH_SIZE.value,
                                        _SEQ_LEN.value, _SEED.value + 1)
   eval_batches = [eval_sampler.next() for _ in range(_EVAL_BATCHES.value)]
-
-  sampler = data_lib.BatchSampler(dataset.train, _BATCH_SIZE.value, _SEQ_LEN.value,
-                                  _SEED.value)
   # Every process samples the same global batch (cheap: indices into the
   # text) and transfers only the rows its own devices hold.
-  mesh = distributed.make_mesh(mesh_sizes)
   batch_sharding = distributed.batch_sharding(mesh)
   eval_batches = [distributed.put_global(b, batch_sharding) for b in eval_batches]
-  init_key = jax.random.PRNGKey(_SEED.value)
-  param_shapes = jax.eval_shape(model.init, init_key, sampler_peek(sampler))
   opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
   # A pipelined stack's Layers axis is split over the pipe axis: each stage
   # holds its own layers (and their AdamW moments). Same tree as a plain run.
   pipelined = pipeline is not None
   param_shardings = distributed.tree_shardings(mesh, param_shapes, pipelined)
   opt_shardings = distributed.tree_shardings(mesh, opt_shapes, pipelined)
-  # Every process joins; the first start after a kill removes the step
-  # folder that the killed save left unfinished.
-  try:
-    checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
-  except checkpoint.CheckpointError as e:
-    sys.exit(f"error: --workdir={workdir!r}: {e}")
-  if checkpoints.removed_unfinished:
-    logging.info("Removed the unfinished checkpoint(s) of an interrupted save from "
-                 "%s: %s", checkpoints.root, ", ".join(checkpoints.removed_unfinished))
   start_step, records = 0, []
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if not _RESUME.value:
@@ -673,18 +636,29 @@ def set_up(argv) -> Run:
                distributed.per_device_bytes(opt_state) / 1024)
   if pipeline is not None:
     stages = distributed.pipe_size(mesh)
-    table = st.pipeline_schedule(stages, pipeline.microbatches, pipeline.repeats)
     logging.info("Pipeline: %s over %d stages x %d repeats, %d microbatches of %d "
                  "sequences, %d layers per stage and repeat; bubble %.1f%% of "
                  "stage-ticks.", pipeline.schedule, stages, pipeline.repeats,
                  pipeline.microbatches, _BATCH_SIZE.value // pipeline.microbatches,
-                 cfg.num_layers // (stages * pipeline.repeats), 100 * table.bubble)
+                 cfg.num_layers // (stages * pipeline.repeats),
+                 100 * pipeline.table(stages).bubble)
 
   if cfg.remat == "auto":
+    # Before the checkpoint folder is made: a --memory_budget that stacktools
+    # refuses (or that no plan meets) leaves nothing behind.
     example_batch = distributed.put_global(sampler_peek(sampler), batch_sharding)
     cfg = plan_remat(cfg, optimizer, params, opt_state, example_batch, workdir,
                      is_chief)
-    model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+    model = transform(cfg)
+  # Every process joins; the first start after a kill removes the step
+  # folder that the killed save left unfinished.
+  try:
+    checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
+  except checkpoint.CheckpointError as e:
+    sys.exit(f"error: --workdir={workdir!r}: {e}")
+  if checkpoints.removed_unfinished:
+    logging.info("Removed the unfinished checkpoint(s) of an interrupted save from "
+                 "%s: %s", checkpoints.root, ", ".join(checkpoints.removed_unfinished))
   train_step = make_train_step(model, optimizer)
 
   replicated = distributed.replicated(mesh)

@@ -1,0 +1,204 @@
+"""Training runs of the GPT example for tests: one tiny model, one driver.
+
+gpt_test.py, gpt_pipeline_test.py, distributed_test.py and checkpoint_test.py
+train ``examples/gpt/train.py`` in subprocesses, and share what is here:
+
+* :data:`TINY`: the flags of a tiny model that trains 20 steps in seconds;
+* :func:`xla_env`: the environment of a run, compiled with XLA's cheap
+  settings (:data:`FAST_XLA`, ``benchmarks/fast_compile.py``: how fast the
+  code compiles, not what it computes), on as many virtual CPU devices as
+  asked;
+* a *driver* (:func:`start_driver`): a fresh interpreter that runs
+  ``train.main`` in-process once per spec under absl's flagsaver
+  (:func:`drive`), so that one interpreter pays the JAX import for many
+  runs, with a persistent compilation cache of its own, so that runs share
+  the programs they have in common;
+* readers of what a run leaves in its workdir.
+
+A helper, not a test module: no test module imports another one. It
+imports no JAX at module level (gpt_pipeline_test's pytest process never
+imports JAX).
+"""
+
+import json
+import os
+import sys
+import traceback
+from typing import Optional
+
+import numpy as np
+
+from benchmarks import fast_compile
+from subprocesses import start
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
+TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
+SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
+FAST_XLA = fast_compile.xla_flags(fast_compile.TESTS)
+
+NUM_LAYERS = 2
+STEPS = 20
+# A tiny model; one record per step; evaluation only at the last step.
+TINY = dict(num_layers=NUM_LAYERS, d_model=16, num_heads=2, seq_len=16,
+            batch_size=4, steps=STEPS, learning_rate=1e-2, warmup_steps=1,
+            log_every=1, eval_every=1000, eval_batches=1, sample_tokens=0)
+WORKDIR_FILES = {"checkpoints", "metrics.jsonl"}  # and loss.png, with matplotlib
+SENTENCES = (
+    "the cat sat on the mat.", "a dog ran to the red ball.",
+    "we like to read a good book at night.", "she sang a song in the garden.",
+    "it is a fine day for a walk by the river.", "he drank a cup of hot tea.",
+)
+
+
+def xla_env(devices: Optional[int] = None, **extra: str) -> dict:
+  """This process's environment with ``XLA_FLAGS`` set to :data:`FAST_XLA`
+  (and ``devices`` virtual CPU devices, when given), and ``extra``."""
+  flags = FAST_XLA
+  if devices is not None:
+    flags += f" --xla_force_host_platform_device_count={devices}"
+  return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
+def cache_env(cache_dir: str) -> dict:
+  """Environment variables that give a ``train.py`` process a persistent
+  compilation cache in ``cache_dir`` that keeps every program."""
+  return {"JAX_COMPILATION_CACHE_DIR": cache_dir,
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+# ---------------------------------------------------------------------------
+# Drivers.
+
+
+def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) -> None:
+  """Runs ``train.main`` once per spec in this process; writes logs and errors.
+
+  Called in a fresh interpreter (see :func:`start_driver`). Programs that
+  several runs share (the init, most evaluations, a resumed run's step)
+  compile once, through a persistent compilation cache private to this
+  driver. Per run it records the raised traceback (``error``), the message
+  of a run that exits as the binary's start-up errors do (``exit``) and the
+  absl log (``log``); and whether the runs imported TensorFlow, beside
+  ``tf_after_import``: what ``import stacktools`` imported of TensorFlow
+  and Orbax (a list), or False when not checked.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  flags.FLAGS(["train"])
+  logging.set_verbosity(logging.INFO)
+  lines = []
+  handler = py_logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  py_logging.getLogger("absl").addHandler(handler)
+  with open(spec_path, encoding="utf-8") as f:
+    specs = json.load(f)
+  results = []
+  for spec in specs:
+    del lines[:]
+    error = exit_message = None
+    try:
+      with flagsaver.flagsaver(**spec["flags"]):
+        train.main(["train"])
+    except SystemExit as e:
+      exit_message = str(e.code)
+    except BaseException:  # pylint: disable=broad-except
+      error = traceback.format_exc()
+    results.append({"name": spec["name"], "error": error, "exit": exit_message,
+                    "log": "\n".join(lines)})
+  out = {"runs": results, "tf_after_import": tf_after_import,
+         "tf_after_runs": "tensorflow" in sys.modules}
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump(out, f)
+
+
+def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
+                 plot: bool = False, check_imports: bool = False):
+  """Starts a driver of ``specs`` (``{"name": ..., "flags": {...}}``, run in order).
+
+  Its files go in ``tmp``, named after ``label``. ``plot=False`` blocks
+  matplotlib (no loss.png: its import and drawing cost a second of CPU per
+  run); ``check_imports`` imports stacktools first and records what that
+  imported of TensorFlow and Orbax.
+
+  Returns:
+    ``(process, out_path)``: collect the process with ``subprocesses.wait``,
+    then read the runs from ``out_path`` (see :func:`drive`).
+  """
+  label = label.replace(" ", "_")
+  spec_path = os.path.join(tmp, f"driver_{label}.json")
+  out_path = os.path.join(tmp, f"driver_{label}.out.json")
+  with open(spec_path, "w", encoding="utf-8") as f:
+    json.dump(specs, f)
+  code = "import sys; "
+  if not plot:
+    code += "sys.modules['matplotlib'] = None; "
+  if check_imports:
+    code += ("import stacktools; "
+             "tf = [m for m in ('tensorflow', 'orbax') if m in sys.modules]; ")
+  else:
+    code += "tf = False; "
+  code += ("sys.path[:0] = sys.argv[1:3]; import gpt_driver; "
+           "gpt_driver.drive(*sys.argv[3:6], tf)")
+  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path,
+                os.path.join(tmp, f"jax_cache_{label}")],
+               env, os.path.join(tmp, f"driver_{label}.log"))
+  return proc, out_path
+
+
+# ---------------------------------------------------------------------------
+# Inputs and outputs of a run.
+
+
+def write_corpus(path: str, repeats: int = 120) -> str:
+  """A few KB of simple English, deterministic."""
+  lines = [" ".join(SENTENCES[(i * k) % len(SENTENCES)] for k in (1, 2, 5))
+           for i in range(repeats)]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def as_args(flags: dict) -> list[str]:
+  """Command-line flags: ``--name=value``, a list as comma-separated values."""
+  return [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in flags.items()]
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(workdir: str) -> np.ndarray:
+  return np.array([r["train_loss"] for r in read_metrics(workdir)])
+
+
+def load_checkpoint(workdir: str) -> dict[str, np.ndarray]:
+  """The latest checkpoint's arrays on the host, read through Orbax whatever
+  mesh saved them: ``{"params/h/block/fc/w": ..., "opt_state/...": ...}``."""
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  return {f"{item}/{key}": value for item in ("params", "opt_state")
+          for key, value in checkpoint.read_arrays(workdir, item=item).items()}
+
+
+def load_meta(workdir: str) -> dict:
+  """The latest checkpoint's metadata (step, sampler state, config, chars)."""
+  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.latest(workdir)[1]
+
+
+def listing(path: str) -> set[str]:
+  return set(os.listdir(path)) if os.path.exists(path) else set()
+
+
+def assert_only_outputs(workdir: str) -> None:
+  """The run's outputs and no temporary or partial files."""
+  assert listing(workdir) - {"loss.png"} == WORKDIR_FILES, listing(workdir)
