@@ -299,10 +299,9 @@ class _Runner:
     ``run_xs`` leads with ``length``; for a run of one layer it is that
     layer's own slice, applied directly (no loop: it compiles faster).
     """
-    policy = segment.steps[kind]
-    if not (looped or length > 1):
-      policy = policy.outside_loop()
-    step = policy.checkpoint_step(self.steps[kind])
+    looped = looped or length > 1
+    policy = segment.steps[kind] if looped else segment.steps[kind].outside_loop()
+    step = policy.checkpoint_step(self.steps[kind], looped=looped)
     if length > 1:
       return lax.scan(step, x, run_xs, length=length, reverse=self.reverse,
                       unroll=self.unroll is True or 1)

@@ -332,21 +332,37 @@ class CheckpointPolicy:
           offload_dst="pinned_host")
     return cp.save_only_these_names(*save)
 
-  def checkpoint_step(self, step: Callable[..., T]) -> Callable[..., T]:
+  def checkpoint_step(self, step: Callable[..., T], *,
+                      looped: bool = True) -> Callable[..., T]:
     """Wraps one loop step ``step(carry, x)`` in ``jax.checkpoint``.
 
     When carries or inputs are offloaded, they are tagged with
     :data:`CARRY_NAME` or :data:`INPUT_NAME` before ``step`` sees them, so
     that the offloading policy can refer to them.
 
+    With checkpointing disabled, a step outside a loop is returned as it is.
+    A step inside a ``lax.scan`` keeps every value of the step but the
+    outputs of elementwise and layout operations (:data:`RECOMPUTED`),
+    which the backward pass recomputes from the values kept: a scan writes
+    each value it keeps into a stacked ``[L, ...]`` buffer, so keeping the
+    chain of elementwise values behind every activation costs more memory
+    and time than recomputing it, where an unrolled program lets XLA fuse
+    them away. Nothing costly (a matmul, a reduction, a jitted function, a
+    random draw) is recomputed.
+
     Args:
       step: ``step(carry, x) -> out``.
+      looped: whether the step is the body of a loop.
 
     Returns:
-      The wrapped step; ``step`` itself when checkpointing is disabled.
+      The wrapped step; ``step`` itself when checkpointing is disabled and
+      the step is not looped.
     """
     if self.disable:
-      return step
+      if not looped:
+        return step
+      return jax.checkpoint(step, policy=_keeps_all_but_elementwise,
+                            prevent_cse=False)
 
     # A step's slice of xs is one of its inputs, so the backward pass has it
     # whether or not the policy saves it: inside lax.scan it is read straight
@@ -408,6 +424,30 @@ class CheckpointPolicy:
 
     return jax.checkpoint(named_chunk, policy=jax_policy,
                           prevent_cse=self.prevent_cse)
+
+
+#: The primitives whose outputs a loop step without checkpointing does not
+#: keep (see :meth:`CheckpointPolicy.checkpoint_step`): elementwise
+#: arithmetic and layout changes, recomputed for the price of reading their
+#: inputs. Anything else (``dot_general``, reductions, ``pjit``, gathers,
+#: random bits, custom calls) is kept.
+RECOMPUTED = frozenset({
+    # Elementwise arithmetic.
+    "abs", "add", "ceil", "clamp", "cos", "div", "erf", "exp", "exp2", "expm1",
+    "floor", "integer_pow", "log", "log1p", "logistic", "max", "min", "mul",
+    "neg", "pow", "rem", "round", "rsqrt", "sign", "sin", "sqrt", "square",
+    "sub", "tanh",
+    # Comparisons, logic and selection.
+    "and", "eq", "ge", "gt", "le", "lt", "ne", "not", "or", "select_n", "xor",
+    # Layout: the same values, moved or retyped.
+    "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
+    "copy_p", "expand_dims", "iota", "pad", "reshape", "slice", "split",
+    "squeeze", "stop_gradient", "transpose",
+})
+
+
+def _keeps_all_but_elementwise(prim: Any, *_, **__) -> bool:
+  return prim.name not in RECOMPUTED
 
 
 #: The ``remat=`` aliases and the policies they stand for. ``False`` and

@@ -48,7 +48,7 @@ class _Layer(hk.Module):
 
     layer = _layers.LayerSlice(params=params, state=state, rng=rng,
                                sliced=sliced, index=index)
-    x, result = policy.checkpoint_step(step)(x, layer)
+    x, result = policy.checkpoint_step(step, looped=False)(x, layer)
     updater.update(result.state)
     return x, result.y
 

@@ -7,6 +7,7 @@ program's ``memory_analysis()``; bad input is checked for the message it
 raises.
 """
 
+import collections
 import functools
 import math
 import re
@@ -421,9 +422,18 @@ def test_no_remat_keeps_more_than_full():
   assert len(none) > len(full)
 
 
-def test_save_all_keeps_what_no_remat_keeps():
-  shapes = lambda r: sorted(a.shape for a, _ in r)
-  assert shapes(_residuals("save_all", 8)) == shapes(_residuals(False, 8))
+def test_no_remat_keeps_all_but_elementwise_values():
+  # Without remat a loop step keeps every value but the outputs of
+  # elementwise operations, recomputed from what it keeps (here tanh, from
+  # the matmul's output "pre"); save_all keeps those too.
+  none, everything = _residuals(False, 8), _residuals("save_all", 8)
+  shapes = lambda r: collections.Counter(a.shape for a, _ in r)
+  assert shapes(none) < shapes(everything), (none, everything)
+  # Stacked per layer: none keeps each layer's carry and "pre"; save_all
+  # also the tanh of "pre".
+  per_layer = (8, RB, RD)
+  assert shapes(none)[per_layer] == 2, none
+  assert shapes(everything)[per_layer] == 3, everything
 
 
 def test_nested_keeps_sqrt_n_carries():
@@ -473,7 +483,8 @@ SAVE_PRE = st.CheckpointPolicy(save_block_internals=["pre"])
 def test_memory_order_64_layers():
   none, named = _temp_bytes(False, 64), _temp_bytes(SAVE_PRE, 64)
   full, nested = _temp_bytes("full", 64), _temp_bytes("nested", 64)
-  assert none > named > full > nested, (none, named, full, nested)
+  # "none" keeps what the named policy keeps, and may keep more.
+  assert none >= named > full > nested, (none, named, full, nested)
   assert nested <= 0.5 * full, (nested, full)
 
 
@@ -482,8 +493,8 @@ def test_memory_nested_prime_length():
   assert nested <= 0.6 * full, (nested, full)
 
 
-def test_memory_save_all_no_more_than_none():
-  assert _temp_bytes("save_all", 64) <= _temp_bytes(False, 64)
+def test_memory_none_no_more_than_save_all():
+  assert _temp_bytes(False, 64) <= _temp_bytes("save_all", 64)
 
 
 # ---------------------------------------------------------------------------

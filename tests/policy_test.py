@@ -327,8 +327,8 @@ def test_offload_alias_moves_carry_and_input_to_host():
   assert all(_on_host(aval) for aval, _ in residuals), residuals
 
 
-def test_disabled_policy_does_not_wrap():
-  assert st.CheckpointPolicy(disable=True).checkpoint_step(_step) is _step
+def test_disabled_policy_does_not_wrap_a_step_outside_a_loop():
+  assert st.CheckpointPolicy(disable=True).checkpoint_step(_step, looped=False) is _step
 
 
 def test_checkpoint_step_values_and_grads_match_step():
@@ -336,7 +336,7 @@ def test_checkpoint_step_values_and_grads_match_step():
   x = jnp.linspace(-1.0, 1.0, 5)
   loss = lambda step: lambda c, x: jnp.sum(step(c, x)["h"] ** 2)
   want = jax.grad(loss(_step), argnums=(0, 1))(carry, x)
-  for remat in [True, "offload", "save_all",
+  for remat in [False, True, "offload", "save_all",
                 st.CheckpointPolicy(save_block_internals=["pre"],
                                     offload_block_internals=["other"])]:
     wrapped = st.CheckpointPolicy.from_remat(remat).checkpoint_step(_step)
