@@ -27,6 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
@@ -251,6 +252,17 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert summary["nanogpt"]["final_valid_loss"] == pytest.approx(3 - steps / 100)
   assert summary["ours_over_nanogpt"]["valid_loss_no_worse"] is True
   assert "**2.00x**" in result["markdown"]
+
+
+def test_gpu_quick(tmp_path):
+  payload = _run(gpu, tmp_path)
+  runs = {r["label"]: r for r in payload["runs"]}
+  assert set(runs) >= {label for label, _, _ in gpu.GPT_RUNS} | {"MLP, full"}
+  for run in runs.values():
+    assert _positive_number(run["step_s"]) and run["temp_bytes"] > 0, run
+  # What the scanned stack without remat keeps is below what it kept before
+  # (save_all: every value of every layer).
+  assert runs["Stacked, none"]["temp_bytes"] < runs["Stacked, save_all"]["temp_bytes"]
 
 
 def test_init_time_as_a_script_without_matplotlib(tmp_path):
