@@ -346,8 +346,8 @@ def _restrict(found: dict[str, Any], only: Optional[Sequence[str]],
     only = (only,)
   kept = {label: found[label] for label in only if label in found}
   if not kept:
-    raise ValueError(f"only={list(only)} keeps no candidate of stack {key!r}; its "
-                     f"candidates are {list(found)}.")
+    raise ValueError(f"{_checks.where()}only={list(only)} keeps no candidate of stack "
+                     f"{key!r}; its candidates are {list(found)}.")
   return kept
 
 
