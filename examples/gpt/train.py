@@ -203,6 +203,8 @@ def _check_remat(f: dict[str, Any]) -> bool:
 
 flags.register_multi_flags_validator(
     ["remat", "memory_budget", "remat_candidates"], _check_remat)
+
+
 def _check_save_names(f: dict[str, Any]) -> bool:
   remat = f["remat"]
   if not f["save_names"] or remat in SAVES_NAMES:
