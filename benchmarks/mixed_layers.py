@@ -425,7 +425,7 @@ def build_parser():
   return p
 
 
-QUICK = ["--block", "mlp", "--depths", "3,6", "--blockseq_depths", "3", "--verify_depths", "4",
+QUICK = ["--block", "mlp", "--depths", "6,12", "--blockseq_depths", "6", "--verify_depths", "4",
          "--verify_patterns", "LLG", "--verify_aliases", "nested", "--verify_directions",
          "reverse", "--skip_gpt", "--memory_remats", "full", "--repeats", "1",
          "--width", "8", "--heads", "2", "--batch", "2", "--seq_len", "8", "--window", "3",

@@ -88,7 +88,10 @@ def our_flags(args) -> dict[str, Any]:
   return {"num_layers": args.num_layers, "num_heads": args.num_heads,
           "d_model": args.d_model, "seq_len": args.seq_len,
           "batch_size": args.batch_size, "steps": args.steps,
-          "learning_rate": 1e-3, "warmup_steps": 100, "weight_decay": 0.1,
+          # nanoGPT's 100 warmup steps; a --quick run of fewer steps warms up
+          # over all but its last (train.py refuses a warmup it never ends).
+          "learning_rate": 1e-3, "warmup_steps": min(100, args.steps - 1),
+          "weight_decay": 0.1,
           "grad_clip": 1.0, "eval_every": args.eval_every,
           "eval_batches": args.eval_batches, "log_every": args.window,
           "remat": args.remat, "bias": False, "sample_tokens": 0}

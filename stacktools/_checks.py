@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import difflib
 import math
+import numbers
 import operator
 import threading
 from collections.abc import Iterator
@@ -74,6 +75,14 @@ def describe(value: Any) -> str:
   if shape is not None:
     return f"an array of shape {tuple(shape)}"
   return f"a {type(value).__name__}"
+
+
+def show(value: Any) -> str:
+  """``value`` as an error message shows it: the value itself (``0``,
+  ``''``, ``1.5``) for a string, number or None, else :func:`describe`."""
+  if value is None or isinstance(value, (str, numbers.Number)):
+    return repr(value)
+  return describe(value)
 
 
 def dtype_of(leaf: Any) -> Any:

@@ -116,7 +116,9 @@ class Pattern:
     if ys_by_kind not in (None, True, False):
       raise ValueError(f"{_checks.where()}ys_by_kind={ys_by_kind!r}: use None (per kind "
                        "only when the kinds' outputs differ), True or False.")
-    return cls(dict(make_block), kinds, num_layers, ys_by_kind)
+    layout = cls(dict(make_block), kinds, num_layers, ys_by_kind)
+    check_every_kind_has_layers(layout)
+    return layout
 
   @classmethod
   def uniform(cls, num_layers: int, kind: str) -> "Pattern":
@@ -322,6 +324,29 @@ def check_kinds(make_block: Any, pattern: Any) -> tuple[str, ...]:
           f"make_block has {sorted(make_block)}.{hint} Add a factory for it or "
           "fix the pattern.")
   return kinds
+
+
+def check_every_kind_has_layers(layout: Pattern) -> None:
+  """Every factory is a kind of the pattern, and every kind has a layer.
+
+  A kind without layers would have no parameters and never run: a factory
+  the pattern forgot, or a depth that ends before the kind's first layer.
+  """
+  counts = layout.counts
+  for kind, count in counts.items():
+    if count:
+      continue
+    if kind not in layout.kinds:
+      raise ValueError(
+          f"{_checks.where()}make_block[{kind!r}] is the factory of a kind that "
+          f"pattern={layout.kinds} never names, so it has 0 layers (layer counts: "
+          f"{counts}). Add {kind!r} to the pattern, or drop its factory.")
+    first = layout.kinds.index(kind)
+    raise ValueError(
+        f"{_checks.where()}num_layers={layout.num_layers} ends before the first "
+        f"{kind!r} layer of pattern={layout.kinds}, so the kind {kind!r} has 0 "
+        f"layers (layer counts: {counts}). Use num_layers >= {first + 1}, or a "
+        f"pattern whose kinds all fit in {layout.num_layers} layers.")
 
 
 def check_per_kind(trees: Any, counts: Mapping[str, int], label: str) -> None:

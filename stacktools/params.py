@@ -171,9 +171,15 @@ def stack_params(params: Bundle, prefix: str, *,
       ids = next(ids_of(i) for i in sorted(by_index) if scope_of(i) == scope)
       missing = sorted(set(ids) - set(by_index))
       if missing:
+        hint = ""
+        if pattern is not None:   # most often the pattern is not the stack's
+          hint = (f" pattern={kinds} makes layers {ids} "
+                  f"{layout.kind_of(ids[0])!r} layers. If the layers were built "
+                  "with another pattern, pass that one.")
         raise ValueError(
             f"stack_params: {prefix}/layer_<i>{rest} is missing for layers "
-            f"{missing} of 0..{num_layers - 1}; every {what} needs the same modules.")
+            f"{missing} of 0..{num_layers - 1}; every {what} needs the same "
+            f"modules.{hint}")
       out[scope + rest] = _stack_layers({i: by_index[i] for i in ids}, prefix, rest)
   return out
 

@@ -60,8 +60,9 @@ class Pipeline:
     with jax.set_mesh(mesh):
       loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
 
-  Without a ``pipe`` axis in the mesh (no mesh, or one of size 1) the stack
-  runs as a plain stack: one model definition serves both.
+  With no mesh at all, or a ``pipe`` axis of size 1, the stack runs as a
+  plain stack: one model definition serves both. A mesh that lacks the axis
+  is an error (a misspelt axis would otherwise run unpipelined, silently).
 
   Attributes:
     axis: the mesh axis that holds the stages.
@@ -84,12 +85,12 @@ class Pipeline:
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
       raise TypeError(f"st.Pipeline: axis must be a mesh axis name (a string, e.g. "
-                      f"'pipe'), got {_checks.describe(self.axis)}.")
+                      f"'pipe'), got {_checks.show(self.axis)}.")
     for field in ("microbatches", "repeats"):
       value = _checks.as_int(getattr(self, field))
       if value is None or value < 1:
         raise ValueError(f"st.Pipeline: {field} must be an integer >= 1, got "
-                         f"{_checks.describe(getattr(self, field))}.")
+                         f"{_checks.show(getattr(self, field))}.")
       object.__setattr__(self, field, value)
     if self.schedule not in SCHEDULES:
       raise ValueError(f"st.Pipeline: schedule={self.schedule!r} is not one of "
@@ -107,12 +108,23 @@ class Pipeline:
           "its axes.")
 
   def stages(self) -> int:
-    """P: the size of the pipe axis in the mesh in use (1 without one)."""
+    """P: the size of the pipe axis in the mesh in use (1 with no mesh).
+
+    Raises:
+      ValueError: when the mesh in use has no axis named ``axis``. Only the
+        absence of any mesh (init, a single-device run) means "no pipeline".
+    """
     mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
     if mesh is None or getattr(mesh, "empty", False):
       return 1
     names = list(mesh.axis_names)
-    size = int(dict(mesh.shape).get(self.axis, 1))
+    if self.axis not in names:
+      raise ValueError(
+          f"{_checks.where()}st.Pipeline(axis={self.axis!r}) names an axis that the "
+          f"mesh in use lacks: its axes are {names}. Pass axis= one of them (the "
+          "one that holds the stages), or add the axis to the mesh; only with no "
+          "mesh at all does a pipelined stack run as a plain stack.")
+    size = int(dict(mesh.shape)[self.axis])
     explicit = [n for n, t in zip(names, getattr(mesh, "axis_types", ()) or ())
                 if t == jax.sharding.AxisType.Explicit]
     if size > 1 and explicit:
@@ -162,7 +174,7 @@ class Pipeline:
     count = _checks.as_int(stages)
     if count is None or count < 1:
       raise ValueError(f"st.Pipeline.table: stages must be an int >= 1, got "
-                       f"{_checks.describe(stages)}.")
+                       f"{_checks.show(stages)}.")
     return schedule(count, self.microbatches, self.repeats)
 
 

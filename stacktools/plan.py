@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+from stacktools import _checks
 from stacktools import report as report_lib
 from stacktools import segments as segments_lib
 
@@ -138,9 +139,11 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
 
   Raises:
     ValueError: when no candidate fits: names the smallest achievable temp
-      memory and its plan.
+      memory and its plan; for a label in ``only`` that is no stack's
+      candidate; for ``measure=True`` with ``jax.ShapeDtypeStruct``
+      arguments (checked before anything is compiled).
   """
-  report = report_lib.remat_report(step_fn, *args, measure=measure,
-                                   repeats=repeats, offload=offload, only=only,
-                                   budget=budget)
+  with _checks.subject("st.plan_remat"):
+    report = report_lib.build(step_fn, *args, measure=measure, repeats=repeats,
+                              offload=offload, only=only, budget=budget)
   return RematPlan.from_report(report, budget=budget, by_time=measure)

@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 
 import jax
 
+from stacktools import _checks
 from stacktools import _costs
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
@@ -345,8 +346,8 @@ def _restrict(found: dict[str, Any], only: Optional[Sequence[str]],
     only = (only,)
   kept = {label: found[label] for label in only if label in found}
   if not kept:
-    raise ValueError(f"only={list(only)} keeps no candidate of stack {key!r}; its "
-                     f"candidates are {list(found)}.")
+    raise ValueError(f"{_checks.where()}only={list(only)} keeps no candidate of stack "
+                     f"{key!r}; its candidates are {list(found)}.")
   return kept
 
 
@@ -365,6 +366,39 @@ def _joint_plans(per_stack: Mapping[str, Mapping[str, Any]]) -> list[dict[str, s
   labels = dict.fromkeys(label for k in keys for label in per_stack[k])
   return [{k: label if label in per_stack[k] else "full" for k in keys}
           for label in labels]
+
+
+def _check_known(only: Optional[Sequence[str]],
+                 found: Mapping[str, Mapping[str, Any]]) -> None:
+  """Every label in ``only`` is a candidate of some stack.
+
+  One stack's labels may be missing from another's (a name only its block
+  tags); a label that no stack has is a typo, which would otherwise be
+  dropped, the plan made among fewer candidates than asked.
+  """
+  if only is None:
+    return
+  labels = (only,) if isinstance(only, str) else tuple(only)
+  unknown = [label for label in labels if not any(label in f for f in found.values())]
+  if unknown:
+    known = {key: list(f) for key, f in found.items()}
+    listing = next(iter(known.values())) if len(known) == 1 else known
+    raise ValueError(
+        f"{_checks.where()}only={list(labels)} names {unknown[0]!r}, which is no "
+        f"candidate of {'the stack' if len(found) == 1 else 'any stack'} "
+        f"{' or '.join(map(repr, found))}; the candidates are {listing}. Fix or "
+        "drop the label.")
+
+
+def _check_measurable(args: Sequence[Any]) -> None:
+  """``measure=True`` runs each candidate: every argument must be an array."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      raise ValueError(
+          f"{_checks.where()}measure=True runs every candidate, but "
+          f"{_checks.path_str('args', path)} is a jax.ShapeDtypeStruct "
+          f"{leaf.dtype}{list(leaf.shape)}, which cannot be run: pass arrays, or "
+          "measure=False to choose by FLOPs from the compiled programs alone.")
 
 
 def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
@@ -398,12 +432,28 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
 
   Returns:
     The report.
+
+  Raises:
+    ValueError: for a label in ``only`` that is no stack's candidate, or
+      ``measure=True`` with ``jax.ShapeDtypeStruct`` arguments.
   """
+  with _checks.subject("st.remat_report"):
+    return build(step_fn, *args, measure=measure, repeats=repeats, offload=offload,
+                 only=only, budget=budget)
+
+
+def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
+          offload: Optional[bool], only: Optional[Sequence[str]],
+          budget: Union[int, str, None]) -> RematReport:
+  """:func:`remat_report`, its mistakes named after the caller's subject."""
+  if measure:
+    _check_measurable(args)
   stacks = discover(step_fn, *args)
   if offload is None:
     offload = host_memory_available()
-  per_stack = {s.key: _restrict(candidates(s, offload=offload), only, s.key)
-               for s in stacks}
+  found = {s.key: candidates(s, offload=offload) for s in stacks}
+  per_stack = {key: _restrict(f, only, key) for key, f in found.items()}
+  _check_known(only, found)
   budget_bytes = None if budget is None else parse_bytes(budget)
   rows, start = [], time.perf_counter()
   for plan in _joint_plans(per_stack):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Optional, Protocol, Union
@@ -170,6 +171,18 @@ def parse_per_depth(spec: str) -> PerDepth:
   Returns:
     The per-depth policies.
   """
+  # A segment's count, then another separator than a comma before the next
+  # alias ("none:2;full:2", "none:2 full:2"): name the separator, not the
+  # glued "none:2;full" as an unknown policy.
+  glued = re.compile(r"(:\d+)(\s*[^\w\s,]?\s*)(?=[A-Za-z_])")
+  found = glued.search(spec)
+  if found:
+    sep = found.group(2).strip() or found.group(2)
+    fixed = glued.sub(r"\1,", spec)
+    raise ValueError(
+        f"st.per_depth({spec!r}): segments are separated by commas"
+        f"{f', not {sep!r}' if sep else ''}: write {fixed!r} (each segment is "
+        "alias:num_layers).")
   segments = []
   for part in spec.split(","):
     alias, sep, count = part.strip().rpartition(":")

@@ -167,7 +167,8 @@ class Stacked(_layers.StackModule):
       :func:`per_kind`); ``False`` always in layer order.
     pipeline: an :class:`st.Pipeline`: under a mesh with its axis (size P >
       1), the layers run as P pipeline stages over microbatches of the
-      batch; without one, as a plain stack. The parameters are the plain
+      batch; with no mesh, or an axis of size 1, as a plain stack; under a
+      mesh without that axis, an error. The parameters are the plain
       stack's either way.
     name: the module name.
   """

@@ -240,8 +240,28 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
         "the stack has 2"]),
       ("per_depth_alias", TRAIN, {"remat": "none:1,bogus:1"},
        ["--remat:", "remat='bogus' is not a checkpoint policy"]),
+      ("per_depth_separator", TRAIN, {"remat": "none:1;full:1"},
+       ["--remat:", "segments are separated by commas, not ';': write 'none:1,full:1'"]),
       ("auto_no_budget", TRAIN, {"remat": "auto"},
        ["--remat=auto needs --memory_budget"]),
+      ("candidates_commas", TRAIN,
+       {"remat": "auto", "memory_budget": "24MiB", "remat_candidates": "full,nested"},
+       ["--remat_candidates: 'full,nested' is not one candidate",
+        "--remat_candidates='full nested'"]),
+      ("save_names_auto", TRAIN,
+       {"save_names": "attn_out", "remat": "auto", "memory_budget": "24MiB"},
+       ["--save_names needs --remat full, nested or offload (--remat=auto chooses",
+        "--remat_candidates='full save:mlp_hidden'"]),
+      ("save_names_per_depth", TRAIN, {"save_names": "attn_out", "remat": "none:1,full:1"},
+       ["--save_names needs", "(a per-depth --remat gives each segment an alias"]),
+      ("window_no_pattern", TRAIN, {"window": 16},
+       ["window=16, pattern=:", "--window is the span of the L layers of --pattern"]),
+      ("warmup", TRAIN, {"warmup_steps": 100, "steps": 4},
+       ["warmup_steps=100, steps=4:", "--warmup_steps must be less than --steps"]),
+      ("pattern_kind_without_layers", TRAIN,
+       {"pattern": "LLLLLG", "num_layers": 4, "window": 8},
+       ["error: Stacked: num_layers=4 ends before the first 'global' layer",
+        "the kind 'global' has 0 layers", "num_layers >= 6"]),
       ("budget_no_auto", TRAIN, {"memory_budget": "8MiB"},
        ["--memory_budget and --remat_candidates need --remat=auto"]),
       ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
@@ -370,6 +390,72 @@ def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
   assert listing(workdir) == {"checkpoints"}
 
 
+def test_resume_refuses_other_model_flags(drivers, tmp_path):
+  """--num_heads leaves every parameter's shape as it was: before the check
+  of MODEL_FLAGS, a resume with another --num_heads trained on as another
+  model. A flag whose change the shapes show (--pattern) is named too."""
+  name = _run_name("full", "fold")
+  drivers.run(name)
+  cases = {"heads": ({"num_heads": 4}, "--num_heads=2, but this run has --num_heads=4"),
+           "pattern": ({"pattern": "LG", "window": 8},
+                       "--pattern='', but this run has --pattern=LG")}
+  started = []
+  for case, (flags, fragment) in cases.items():
+    workdir = tmp_path / case
+    shutil.copytree(os.path.join(drivers.workdir(name), "checkpoints"),
+                    workdir / "checkpoints")
+    flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "resume": True,
+             "workdir": workdir, **flags}
+    started.append((workdir, fragment, sorted(os.walk(workdir)), cli(TRAIN, *as_args(flags))))
+  for workdir, fragment, before, proc in started:
+    message = one_line_error(proc)
+    for part in (f"error: --resume: the checkpoint in {str(workdir)!r} was trained with",
+                 fragment, "--num_layers, --num_heads, --d_model, --seq_len, --pattern, "
+                 "--window, --stack, --bias must be the checkpoint's", "new --workdir"):
+      assert part in message, f"{part!r} not in {message!r}"
+    assert sorted(os.walk(workdir)) == before
+
+
+def test_remat_candidates_help_example_plans_among_all_of_them(tmp_path, corpus):
+  """The example in --remat_candidates' help, as a shell passes it: once, its
+  per-depth candidate was split at its comma into two labels that were
+  dropped without a word, and it planned among 3. A label that names no
+  candidate stops the run, named after --remat_candidates."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top,unused-import
+  example = flags.FLAGS["remat_candidates"].help.split("e.g. '", 1)[1].split("'", 1)[0]
+  assert example == "full nested save:mlp_hidden none:2,full:2"
+  base = {**TINY, "data_path": corpus, "num_layers": 4, "steps": 2, "remat": "auto",
+          "memory_budget": "24MiB"}
+  runs = {}
+  for case, candidates in (("help", example), ("bogus", "bogus"),
+                           ("one_bogus", "full bogus")):
+    workdir = str(tmp_path / case)
+    runs[case] = (workdir, cli(TRAIN, *as_args({**base, "workdir": workdir,
+                                                "remat_candidates": candidates})))
+  workdir, proc = runs.pop("help")
+  code, _, stderr = finish(proc)
+  assert code == 0, stderr
+  assert "remat report: 4 candidate plans" in stderr, stderr
+  with open(os.path.join(workdir, "remat_plan.json"), encoding="utf-8") as f:
+    rows = json.load(f)["report"]["rows"]
+  assert sorted(label for r in rows for label in r["plan"].values()) == sorted(
+      example.split())
+  expected = {"bogus": ["error: --remat_candidates='bogus': st.plan_remat: "
+                        "only=['bogus'] keeps no candidate"],
+              "one_bogus": ["error: --remat_candidates='full bogus': st.plan_remat: "
+                            "only=['full', 'bogus'] names 'bogus', which is no candidate",
+                            "'save:mlp_hidden'", "'none:2,full:2'"]}
+  for case, (workdir, proc) in runs.items():
+    code, _, stderr = finish(proc)
+    # Progress is logged up to the planning; then one line, no traceback.
+    errors = [line for line in stderr.splitlines() if not line.startswith(("I", "W"))]
+    assert code != 0 and len(errors) == 1, stderr
+    for fragment in expected[case]:
+      assert fragment in errors[0], f"{case}: {fragment!r} not in {errors[0]!r}"
+    assert not os.path.exists(workdir), case
+
+
 def test_outputs_get_the_umask_mode(drivers):
   """Not 0o600, as tempfile.mkstemp would leave them; Orbax's checkpoint
   files and folders too."""
@@ -439,8 +525,10 @@ def test_damaged_real_checkpoints_fail_cleanly(drivers, tmp_path):
        unreadable + ["opt_state"]),
       ("other_model", cli(TRAIN, *as_args({**flags, "workdir": workdirs["other_model"],
                                            "num_layers": NUM_LAYERS + 1})),
-       ["error: --resume:", f"is float32[{NUM_LAYERS}, ", "the model needs float32["
-        f"{NUM_LAYERS + 1}, ", "model flags differ"]),
+       # Named from the checkpoint's config, before its arrays are read (the
+       # arrays' own check: gpt_linear_test.py).
+       ["error: --resume:", f"was trained with --num_layers={NUM_LAYERS}, but this "
+        f"run has --num_layers={NUM_LAYERS + 1}", "must be the checkpoint's"]),
   ]
   for case, proc, fragments in cases:
     rc, _, stderr = finish(proc)

@@ -434,8 +434,8 @@ def test_benchmark_script_quick(tmp_path):
   assert summary["values_and_gradients"]["met"] is True
   assert summary["values_and_gradients"]["cases"] == 1
   assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
-  # The 3-layer stack has no whole period, the 6-layer one has one: exact
-  # memory slopes only come with whole periods (the full run: 12, 24, 48).
+  # 6 and 12 layers: one and two whole periods (fewer than 6 would leave the
+  # pattern's global kind without a layer); the full run: 12, 24, 48.
   assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
   kv = summary["kv_cache"]
   assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]

@@ -53,6 +53,12 @@ from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at
 
 #: The --remat aliases that recompute, so that --save_names can keep something.
 SAVES_NAMES = ("full", "nested", "offload")
+#: --window when --pattern has L layers and no --window is given.
+DEFAULT_WINDOW = 32
+#: The flags that say what the parameters mean: a --resume must give the
+#: checkpoint's values (its config records them under the same names).
+MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "window",
+               "stack", "bias")
 
 _REMAT = flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
@@ -62,10 +68,11 @@ _REMAT = flags.DEFINE_string(
 _MEMORY_BUDGET = flags.DEFINE_string(
     "memory_budget", None, "With --remat=auto: the most compiled temp memory of "
     "the train step, e.g. 48MiB or bytes; the fastest plan within it is used.")
-_REMAT_CANDIDATES = flags.DEFINE_list(
+# Space-separated: a per-depth candidate (none:2,full:2) holds commas.
+_REMAT_CANDIDATES = flags.DEFINE_spaceseplist(
     "remat_candidates", None, "With --remat=auto: plan among these candidates "
-    "only (e.g. full,nested,save:mlp_hidden,none:2,full:2), to plan faster; "
-    "default: every alias, every tagged name and per-depth mixes.")
+    "only, separated by spaces (e.g. 'full nested save:mlp_hidden none:2,full:2'), "
+    "to plan faster; default: every alias, every tagged name and per-depth mixes.")
 _SAVE_NAMES = flags.DEFINE_list(
     "save_names", None, "Checkpoint names to keep on top of --remat full, "
     f"nested or offload (of {', '.join(model_lib.CHECKPOINT_NAMES)}). Default: "
@@ -85,8 +92,9 @@ _PATTERN = flags.DEFINE_string(
     "per layer, repeated: L (causal attention over the last --window positions) or "
     "G (full causal attention), e.g. LLLG. Default: one kind of block, global.")
 _WINDOW = flags.DEFINE_integer(
-    "window", 32, "Positions (its own included) an L layer of --pattern attends "
-    "to; decoding keeps a ring cache this long for each L layer.", lower_bound=1)
+    "window", None, "Positions (its own included) an L layer of --pattern attends "
+    "to; decoding keeps a ring cache this long for each L layer. Default: "
+    f"{DEFAULT_WINDOW}.", lower_bound=1)
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1)
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
@@ -175,6 +183,13 @@ def _check_remat(f: dict[str, Any]) -> bool:
       raise flags.ValidationError(
           "--remat=auto needs --memory_budget (e.g. --memory_budget=48MiB): the "
           "plan is the fastest within that much compiled temp memory.")
+    for candidate in f["remat_candidates"] or ():
+      if "," in candidate and not all(":" in part for part in candidate.split(",")):
+        raise flags.ValidationError(
+            f"--remat_candidates: {candidate!r} is not one candidate: separate "
+            f"candidates with spaces (--remat_candidates="
+            f"{' '.join(p for p in candidate.split(',') if p)!r}); a comma belongs "
+            "only inside a per-depth candidate, e.g. none:2,full:2.")
     return True
   if f["memory_budget"] is not None or f["remat_candidates"] is not None:
     raise flags.ValidationError("--memory_budget and --remat_candidates need "
@@ -188,14 +203,38 @@ def _check_remat(f: dict[str, Any]) -> bool:
 
 flags.register_multi_flags_validator(
     ["remat", "memory_budget", "remat_candidates"], _check_remat)
-flags.register_multi_flags_validator(
-    ["save_names", "remat"],
-    lambda f: not f["save_names"] or f["remat"] in SAVES_NAMES,
-    message="--save_names needs --remat full, nested or offload (none and save_all "
-    "keep everything already).")
+
+
+def _check_save_names(f: dict[str, Any]) -> bool:
+  remat = f["remat"]
+  if not f["save_names"] or remat in SAVES_NAMES:
+    return True
+  if remat == "auto":
+    why = ("--remat=auto chooses what to keep itself; to have it weigh keeping a "
+           "name, give it the candidate save:<name>, e.g. "
+           "--remat_candidates='full save:mlp_hidden'")
+  elif ":" in remat:
+    why = ("a per-depth --remat gives each segment an alias, which keeps no "
+           "names; use one policy (e.g. --remat=full) to keep names")
+  else:
+    why = "none and save_all keep everything already"
+  raise flags.ValidationError(
+      f"--save_names needs --remat full, nested or offload ({why}).")
+
+
+flags.register_multi_flags_validator(["save_names", "remat"], _check_save_names)
 flags.register_multi_flags_validator(
     ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
     message="--stop_after must be at most --steps.")
+flags.register_multi_flags_validator(
+    ["warmup_steps", "steps"], lambda f: f["warmup_steps"] < f["steps"],
+    message="--warmup_steps must be less than --steps: the learning rate rises to "
+    "--learning_rate over the warmup, which a shorter run never finishes. Lower "
+    "--warmup_steps (0: no warmup) or raise --steps.")
+flags.register_multi_flags_validator(
+    ["window", "pattern"], lambda f: f["window"] is None or "L" in f["pattern"],
+    message="--window is the span of the L layers of --pattern, and there are "
+    "none: drop --window, or give --pattern L layers (e.g. --pattern=LLLG).")
 flags.register_multi_flags_validator(
     ["nested_outer", "remat"], lambda f: f["nested_outer"] is None or f["remat"] == "nested",
     message="--nested_outer needs --remat=nested.")
@@ -318,7 +357,11 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
                          budget=_MEMORY_BUDGET.value, repeats=3,
                          only=_REMAT_CANDIDATES.value)
   except ValueError as e:
-    sys.exit(f"error: --memory_budget={_MEMORY_BUDGET.value}: {e}")
+    # What the planner says of only= is about the labels, --remat_candidates;
+    # the rest is about the budget.
+    flag = (f"--remat_candidates={' '.join(_REMAT_CANDIDATES.value)!r}"
+            if "only=" in str(e) else f"--memory_budget={_MEMORY_BUDGET.value}")
+    sys.exit(f"error: {flag}: {e}")
   (chosen,) = plan.choice.values()   # the model has one stack
   logging.info("%s", plan.report)
   logging.info("Planning took %.1f s for %d candidates (compiling them: %.1f s).",
@@ -385,9 +428,9 @@ def make_optimizer(steps: int) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay (to a tenth), gradients clipped."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=_LEARNING_RATE.value,
-      # At least one step of cosine decay: optax rejects an empty one, which
-      # a run with --steps <= --warmup_steps would otherwise ask for.
-      warmup_steps=min(_WARMUP_STEPS.value, steps - 1), decay_steps=steps,
+      # --warmup_steps < --steps (a flag validator): at least one step of
+      # cosine decay, which optax needs.
+      warmup_steps=_WARMUP_STEPS.value, decay_steps=steps,
       end_value=_LEARNING_RATE.value / 10)
   parts = []
   if _GRAD_CLIP.value > 0:
@@ -458,6 +501,33 @@ def check_workdir(workdir: str) -> None:
   if problem:
     sys.exit(f"error: --workdir={workdir!r} {problem}; pass a folder you can "
              "write to (it is created if missing).")
+
+
+def check_model_flags(saved: dict[str, Any], cfg: model_lib.GPTConfig,
+                      workdir: str) -> None:
+  """Exits with one line if a --resume run's MODEL_FLAGS differ from the
+  checkpoint's.
+
+  Some (--num_heads, --window) leave every parameter's shape as it was: the
+  checkpoint would load and train on as another model, silently.
+  """
+  differ = [name for name in MODEL_FLAGS
+            if name in saved and saved[name] != getattr(cfg, name)]
+  if "pattern" in differ and "window" in differ:   # a window is its pattern's
+    differ.remove("window")
+  if not differ:
+    return
+
+  def show(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+      return f"--{'' if value else 'no'}{name}"
+    return f"--{name}={value if value != '' else repr(value)}"
+
+  sys.exit(f"error: --resume: the checkpoint in {workdir!r} was trained with "
+           f"{' '.join(show(n, saved[n]) for n in differ)}, but this run has "
+           f"{' '.join(show(n, getattr(cfg, n)) for n in differ)}; the flags "
+           f"{', '.join('--' + n for n in MODEL_FLAGS)} must be the checkpoint's. "
+           "Pass its values, or a new --workdir to start afresh.")
 
 
 def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str) -> None:
@@ -576,11 +646,14 @@ def set_up(argv) -> Run:
         d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
         remat=checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value),
         unroll=_UNROLL.value, pattern=_PATTERN.value,
-        window=_WINDOW.value if "L" in _PATTERN.value else 0, bias=_BIAS.value,
+        window=(_WINDOW.value or DEFAULT_WINDOW) if "L" in _PATTERN.value else 0,
+        bias=_BIAS.value,
         pipeline=pipeline)
     param_shapes = trace_model(cfg, mesh, init_key, sampler_peek(sampler))
   except (TypeError, ValueError) as e:
     sys.exit(f"error: {e}")
+  if resume_meta is not None:
+    check_model_flags(resume_meta.get("config", {}), cfg, workdir)
   if is_chief:
     # A run killed mid-write left these; no write is under way now.
     stale = files.remove_stale_temp_files(workdir)
