@@ -312,7 +312,8 @@ def droppable(step: Callable[..., Any], rates: Optional[np.ndarray]) -> Callable
 
     y_shapes = jax.eval_shape(keep, x, layer)[1].y
     for path, leaf in jax.tree_util.tree_flatten_with_path(y_shapes)[0]:
-      if not (np.issubdtype(leaf.dtype, np.number) or leaf.dtype == np.bool_):
+      if not (jax.numpy.issubdtype(leaf.dtype, jax.numpy.number)
+              or jax.numpy.issubdtype(leaf.dtype, jax.numpy.bool_)):
         raise TypeError(
             f"{_checks.where()}layer_drop= gives a dropped layer's scan output zeros, "
             f"but {_checks.path_str('y', path)} is {leaf.dtype}, which has none. "
