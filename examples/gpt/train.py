@@ -476,13 +476,14 @@ def make_optimizer(steps: int, cfg: model_lib.GPTConfig) -> optax.GradientTransf
     muon = optax.contrib.muon(schedule(_MUON_LEARNING_RATE.value),
                               weight_decay=_WEIGHT_DECAY.value)
     tx = optax.partition({"muon": muon, "adamw": tx}, labels)
-  if cfg.stack == "scan":   # BlockSeq's layers are separate leaves already
-    L = cfg.num_layers  # pylint: disable=invalid-name
-    decay = _LAYER_LR_DECAY.value
+  L, decay = cfg.num_layers, _LAYER_LR_DECAY.value  # pylint: disable=invalid-name
+  frozen = layer_range(_FREEZE_LAYERS.value, L)
+  # AdamW alone is elementwise: per layer or not, the same steps. BlockSeq's
+  # layers are separate leaves already.
+  if cfg.stack == "scan" and (_OPTIMIZER.value == "muon" or decay != 1 or frozen):
     tx = st.over_layers(
         tx, stacked={"h": tuple(model_lib.KINDS[c] for c in cfg.pattern) or None},
-        scale=(lambda i: decay ** (L - 1 - i)) if decay != 1 else None,
-        frozen=layer_range(_FREEZE_LAYERS.value, L))
+        scale=(lambda i: decay ** (L - 1 - i)) if decay != 1 else None, frozen=frozen)
   parts.append(tx)
   return optax.chain(*parts)
 
