@@ -221,7 +221,7 @@ def draw(payload: dict[str, Any]):
     ax2.bar(range(len(DROPS)), [1000 * drop[n] for n in DROPS])
     ax2.set_xticks(range(len(DROPS)), ["drop 0", "drop 0.5", "half depth"])
     ax2.set_ylabel("ms per training step")
-    ax2.set_title("Stochastic depth: a skipped layer costs no matmuls")
+    ax2.set_title("Stochastic depth: training step time")
     fig.tight_layout()
     return fig
   return fig_fn

@@ -6,6 +6,7 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
   python examples/gpt/train.py --remat=auto --memory_budget=24MiB  # planned
+  python examples/gpt/train.py --optimizer=muon --layer_lr_decay=0.8 --freeze_layers=0:1 --layer_drop=0.1
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
