@@ -98,12 +98,16 @@ ADAM = lambda: optax.adamw(0.01, weight_decay=0.1)  # pylint: disable=unnecessar
 TRANSFORMS = {"muon": MUON, "adafactor": ADAFACTOR, "adam": ADAM}
 
 
-@pytest.mark.parametrize("name", TRANSFORMS)
+ELEMENTWISE = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "lion": lambda: optax.lion(1e-3)}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS) + list(ELEMENTWISE))
 def test_plain_stack_equals_one_optimizer_per_layer(name):
   params = _params()
   grads = _grads(params)
-  got, state = _run(st.over_layers(TRANSFORMS[name](), stacked=["h"]), params, grads)
-  _assert_close(got, _reference(TRANSFORMS[name], params, grads))
+  make = {**TRANSFORMS, **ELEMENTWISE}[name]
+  got, state = _run(st.over_layers(make(), stacked=["h"]), params, grads)
+  _assert_close(got, _reference(make, params, grads))
   # Every state leaf of the stack leads with its layers.
   for leaf in jax.tree.leaves(state.layers["h"]):
     assert leaf.shape[0] == L
