@@ -6,6 +6,7 @@ from stacktools._layers import per_layer
 from stacktools.loops import fold
 from stacktools.loops import map  # pylint: disable=redefined-builtin
 from stacktools.loops import scan
+from stacktools.optim import over_layers
 from stacktools.params import stack_params
 from stacktools.params import unstack_params
 from stacktools.pipeline import Pipeline
@@ -24,6 +25,7 @@ from stacktools.stack import Stacked
 # isinstance checks; they are not part of the surface a user writes.
 from stacktools._kinds import PerKind
 from stacktools._layers import PerLayer
+from stacktools.optim import OverLayersState
 from stacktools.plan import RematPlan
 from stacktools.report import RematReport
 from stacktools.segments import PerDepth
@@ -41,6 +43,7 @@ __all__ = (
     "layer_index",
     "layer_stack",
     "map",
+    "over_layers",
     "per_depth",
     "per_kind",
     "per_layer",

@@ -151,6 +151,33 @@ def check_unroll(unroll: Any) -> Union[int, bool]:
                    "(steps per rolled loop iteration) or True to unroll fully.")
 
 
+def check_layer_drop(layer_drop: Any, num_layers: int) -> Optional[Any]:
+  """Per-layer drop rates as a float64 numpy array, or None when nothing drops.
+
+  A rate is a probability in ``[0, 1)``; one float applies to every layer.
+  All zeros is the same as None: the stack then runs exactly as without.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if layer_drop is None:
+    return None
+  fix = ("Pass a float in [0, 1) for every layer, or one per layer, e.g. "
+         f"layer_drop=[0.1 * (i + 1) / {num_layers} for i in range({num_layers})].")
+  try:
+    rates = np.asarray(layer_drop, np.float64)
+  except (TypeError, ValueError):
+    rates = None
+  if rates is None or isinstance(layer_drop, (bool, str)) or rates.ndim > 1:
+    raise TypeError(f"{where()}layer_drop={layer_drop!r} is not a rate. {fix}")
+  if rates.ndim == 1 and rates.shape[0] != num_layers:
+    raise ValueError(f"{where()}layer_drop= has {rates.shape[0]} rates, but the stack "
+                     f"has num_layers={num_layers}. {fix}")
+  if not np.all((rates >= 0) & (rates < 1)):
+    raise ValueError(f"{where()}layer_drop={layer_drop!r} has a rate outside [0, 1) "
+                     f"(a rate of 1 would scale the kept update by 1/0). {fix}")
+  rates = np.broadcast_to(rates, (num_layers,)).copy()
+  return rates if rates.any() else None
+
+
 def check_length(length: Any) -> int:
   """A loop length: an int >= 0 (numpy ints too)."""
   value = as_int(length)

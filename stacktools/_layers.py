@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, Optional
 
 import haiku as hk
 import jax
+import numpy as np
 
 from stacktools import _checks
 from stacktools import _kinds
@@ -265,6 +266,77 @@ def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
 
 
 # ---------------------------------------------------------------------------
+# Stochastic depth: skipping layers at random.
+
+#: Folded into a layer's apply key to draw whether the layer is dropped, so
+#: that the draw is independent of the block's own randomness (the block
+#: still gets the layer's key itself).
+DROP_SALT = 0x1D
+
+
+def drop_rates(rates: Optional[np.ndarray], keys: LayerKeys) -> Optional[np.ndarray]:
+  """The drop rates a stack applies in this call: none at init (whose outputs
+  Haiku discards); at apply they need an rng."""
+  if rates is None or hk.running_init():
+    return None
+  if keys.apply is None:
+    raise ValueError(
+        f"{_checks.where()}layer_drop= skips layers at random, which needs an rng, "
+        "but apply was called without one. Pass a key to apply when training "
+        "(transformed.apply(params, key, ...)); to evaluate, build the stack "
+        "with layer_drop=None, which runs every layer.")
+  return rates
+
+
+def droppable(step: Callable[..., Any], rates: Optional[np.ndarray]) -> Callable[..., Any]:
+  """``step``, made to skip layer ``i`` with probability ``rates[i]``.
+
+  Layer ``i`` is dropped when ``jax.random.bernoulli(jax.random.fold_in(
+  apply_key[i], DROP_SALT), rates[i])``. A dropped layer costs no matmuls (a
+  ``lax.cond``): the carry passes unchanged, the Haiku state stays, and a scan
+  block's ``y`` is zeros. A kept layer's update is scaled by ``1 / (1 -
+  rate)`` (the carry becomes ``x + (f(x) - x) / (1 - rate)``), so that its
+  expectation is the full update and evaluation needs no rescaling.
+  """
+  if rates is None:
+    return step
+  table = np.asarray(rates, np.float32)
+
+  def step_or_skip(x, layer: LayerSlice):
+    rate = jax.numpy.asarray(table)[layer.index]
+    dropped = jax.random.bernoulli(jax.random.fold_in(layer.rng, DROP_SALT), rate)
+
+    def keep(x, layer):
+      new_x, result = step(x, layer)
+      return jax.tree_util.tree_map(lambda a, b: _kept(a, b, rate), x, new_x), result
+
+    y_shapes = jax.eval_shape(keep, x, layer)[1].y
+    for path, leaf in jax.tree_util.tree_flatten_with_path(y_shapes)[0]:
+      if not (jax.numpy.issubdtype(leaf.dtype, jax.numpy.number)
+              or jax.numpy.issubdtype(leaf.dtype, jax.numpy.bool_)):
+        raise TypeError(
+            f"{_checks.where()}layer_drop= gives a dropped layer's scan output zeros, "
+            f"but {_checks.path_str('y', path)} is {leaf.dtype}, which has none. "
+            "Return numbers from the block (or fold it), or drop layer_drop=.")
+
+    def skip(x, layer):
+      y = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), y_shapes)
+      return x, LayerResult(y, layer.state)
+
+    return jax.lax.cond(dropped, skip, keep, x, layer)
+
+  return step_or_skip
+
+
+def _kept(x: jax.Array, new_x: jax.Array, rate: jax.Array) -> jax.Array:
+  """A kept layer's carry: its update scaled by ``1 / (1 - rate)``."""
+  if not jax.numpy.issubdtype(jax.numpy.result_type(new_x), jax.numpy.inexact):
+    return new_x
+  scaled = x + (new_x - x) / (1 - rate)
+  return jax.numpy.where(rate > 0, scaled, new_x).astype(new_x.dtype)
+
+
+# ---------------------------------------------------------------------------
 # The module both stacks are.
 
 
@@ -306,10 +378,13 @@ class StackModule(hk.Module):
   def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, reverse: bool = False,
                pattern: Optional[Sequence[str]] = None,
-               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
+               ys_by_kind: Optional[bool] = None, layer_drop: Any = None,
+               name: Optional[str] = None):
     super().__init__(name=name)
     with _checks.subject(type(self).__name__):
       self.num_layers = _checks.check_num_layers(num_layers)
+      # None when no layer is ever dropped (rate 0 everywhere included).
+      self.layer_drop = _checks.check_layer_drop(layer_drop, self.num_layers)
       # None for a stack of one block; a mixed-layer stack's kinds otherwise.
       self.pattern = _kinds.Pattern.build(make_block, pattern, self.num_layers,
                                           ys_by_kind)

@@ -74,10 +74,8 @@ def unstack_params(params: Bundle, prefix: str, *,
         f"modules are {sorted(params)}. Pass the Stacked module's full name.")
   _check_not_unstacked(stacked, prefix)
   out = {k: dict(v) for k, v in params.items() if not _under(k, prefix)}
-  if pattern is None:
-    groups = {prefix: (stacked, np.arange(_common_leading_axis(stacked, prefix)))}
-  else:
-    groups = _kind_groups(stacked, prefix, pattern)
+  with _checks.subject("unstack_params"):
+    groups = layer_groups(stacked, prefix, pattern)
   for scope, (modules, layer_ids) in groups.items():
     for key, bundle in modules.items():
       rest = key[len(scope):]
@@ -87,23 +85,43 @@ def unstack_params(params: Bundle, prefix: str, *,
   return out
 
 
-def _kinds_of(pattern: Any, where: str) -> tuple[str, ...]:
+def layer_groups(stacked: Bundle, prefix: str, pattern: Optional[Sequence[str]]
+                 ) -> dict[str, tuple[Bundle, np.ndarray]]:
+  """A stack's modules grouped by the Layers axis they share, with its layers.
+
+  ``{scope: (modules, layer ids)}``: one group, ``prefix``, for a stack of one
+  block; one per kind, ``prefix/<kind>``, for a mixed-layer stack. Row ``j``
+  of a group's leaves is layer ``layer_ids[j]`` of the stack. Errors start
+  with the subject of the public entry point that asks.
+
+  Args:
+    stacked: the modules under ``prefix``, ``{module: {name: array}}`` (only
+      shapes are read).
+    prefix: the stack's full name.
+    pattern: the mixed-layer stack's pattern, or ``None``.
+  """
+  if pattern is None:
+    return {prefix: (stacked, np.arange(_common_leading_axis(stacked, prefix)))}
+  return _kind_groups(stacked, prefix, pattern)
+
+
+def _kinds_of(pattern: Any) -> tuple[str, ...]:
   kinds = tuple(pattern)
   if not kinds or not all(isinstance(k, str) and k for k in kinds):
-    raise ValueError(f"{where}: pattern={pattern!r} must be the stack's pattern, a "
+    raise ValueError(f"{_checks.where()}pattern={pattern!r} must be the stack's pattern, a "
                      "non-empty sequence of kind names.")
   return kinds
 
 
 def _kind_groups(stacked: Bundle, prefix: str, pattern: Any):
   """``{prefix/kind: (modules, layer ids)}`` of a mixed-layer stack's params."""
-  kinds = _kinds_of(pattern, "unstack_params")
+  kinds = _kinds_of(pattern)
   modules: dict[str, dict[str, Any]] = {}
   for key, bundle in stacked.items():
     kind = key[len(prefix) + 1:].split("/")[0]
     if kind not in kinds:
       raise ValueError(
-          f"unstack_params: {key!r} lies under no kind of pattern {kinds}; a "
+          f"{_checks.where()}{key!r} lies under no kind of pattern {kinds}; a "
           f"mixed-layer stack keeps each kind under {prefix}/<kind>/. Pass the "
           "stack's own pattern, or no pattern for a stack of one block.")
     modules.setdefault(kind, {})[key] = bundle
@@ -113,7 +131,7 @@ def _kind_groups(stacked: Bundle, prefix: str, pattern: Any):
   expected = {k: c for k, c in layout.counts.items() if c}
   if counts != expected:
     raise ValueError(
-        f"unstack_params: the kinds under {prefix!r} hold {counts} layers, but "
+        f"{_checks.where()}the kinds under {prefix!r} hold {counts} layers, but "
         f"pattern {kinds} over {layout.num_layers} layers has {expected}. Pass "
         "the pattern the stack was built with.")
   return {f"{prefix}/{kind}": (group, layout.layer_ids(kind))
@@ -144,7 +162,7 @@ def stack_params(params: Bundle, prefix: str, *,
       modules and names.
   """
   _check_prefix(prefix)
-  layer_re = _layer_pattern(prefix)
+  layer_re = layer_pattern(prefix)
   layers: dict[str, dict[int, Mapping[str, Any]]] = {}
   out = {}
   for key, bundle in params.items():
@@ -161,7 +179,8 @@ def stack_params(params: Bundle, prefix: str, *,
   if pattern is None:
     scope_of, ids_of, what = (lambda i: prefix), (lambda i: range(num_layers)), "layer"
   else:
-    kinds = _kinds_of(pattern, "stack_params")
+    with _checks.subject("stack_params"):
+      kinds = _kinds_of(pattern)
     layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, num_layers)
     scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
     ids_of = lambda i: layout.layer_ids(layout.kind_of(i)).tolist()  # pylint: disable=unnecessary-lambda-assignment
@@ -205,7 +224,7 @@ def _stack_layers(by_index: Mapping[int, Mapping[str, Any]], prefix: str,
           for name in sorted(names)}
 
 
-def _layer_pattern(prefix: str) -> re.Pattern[str]:
+def layer_pattern(prefix: str) -> re.Pattern[str]:
   """Matches ``<prefix>/layer_<i>[/...]``, capturing ``i`` and the rest."""
   return re.compile(re.escape(prefix) + r"/layer_(\d+)(/.*)?$")
 
@@ -216,7 +235,7 @@ def _check_not_unstacked(stacked: Bundle, prefix: str) -> None:
   Unstacking them again would split each layer's own leading axis (a square
   weight's rows) into ``layer_<i>/layer_<j>`` modules: a wrong tree, silently.
   """
-  pattern = _layer_pattern(prefix)
+  pattern = layer_pattern(prefix)
   indices = set()
   for key in stacked:
     match = pattern.match(key)
@@ -244,10 +263,10 @@ def _common_leading_axis(stacked: Bundle, prefix: str) -> int:
     for name, value in bundle.items():
       shape = jnp.shape(value)
       if not shape:
-        raise ValueError(f"unstack_params: {key}/{name} is a scalar; every leaf "
+        raise ValueError(f"{_checks.where()}{key}/{name} is a scalar; every leaf "
                          f"under {prefix!r} needs a leading Layers axis.")
       sizes[f"{key}/{name}"] = shape[0]
   if len(set(sizes.values())) != 1:
-    raise ValueError(f"unstack_params: the leaves under {prefix!r} disagree on "
+    raise ValueError(f"{_checks.where()}the leaves under {prefix!r} disagree on "
                      f"the Layers axis: {sizes}.")
   return next(iter(sizes.values()))

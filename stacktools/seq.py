@@ -15,7 +15,7 @@ unstacked parameters reproduces Stacked exactly, dropout included.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import haiku as hk
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy):
+  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy, rates):
     def init(key, x, sliced):
       with _layers.at_layer(index):
         return inner.init(key, x, sliced)
@@ -48,7 +48,8 @@ class _Layer(hk.Module):
 
     layer = _layers.LayerSlice(params=params, state=state, rng=rng,
                                sliced=sliced, index=index)
-    x, result = policy.checkpoint_step(step, looped=False)(x, layer)
+    x, result = policy.checkpoint_step(_layers.droppable(step, rates),
+                                       looped=False)(x, layer)
     updater.update(result.state)
     return x, result.y
 
@@ -84,15 +85,20 @@ class BlockSeq(_layers.StackModule):
     reverse: apply the layers from the last to the first.
     pattern: the kinds of one period, as in :class:`Stacked`.
     ys_by_kind: as in :class:`Stacked`.
+    layer_drop: stochastic depth, as in :class:`Stacked`: the same layers
+      are dropped, drawn from the same per-layer keys.
     name: the module name.
   """
 
   def __init__(self, make_block: Any, num_layers: int,
                *, remat: policy_lib.RematSpec = False, reverse: bool = False,
                pattern: Optional[Sequence[str]] = None,
-               ys_by_kind: Optional[bool] = None, name: Optional[str] = None):
+               ys_by_kind: Optional[bool] = None,
+               layer_drop: Union[None, float, Sequence[float]] = None,
+               name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
-                     pattern=pattern, ys_by_kind=ys_by_kind, name=name)
+                     pattern=pattern, ys_by_kind=ys_by_kind,
+                     layer_drop=layer_drop, name=name)
 
   @_layers.StackModule.layer_scope
   def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
@@ -101,6 +107,7 @@ class BlockSeq(_layers.StackModule):
     n = self.num_layers
     # The same draws, in the same order, as Stacked.
     keys = _layers.draw_layer_keys(n)
+    rates = _layers.drop_rates(self.layer_drop, keys)
     # The loop plan Stacked would run, walked one layer at a time (a plan's
     # choice for remat="auto" comes with no tagged names discovered).
     plan = segments_lib.plan_loop(
@@ -117,7 +124,7 @@ class BlockSeq(_layers.StackModule):
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], mode=mode,
-            policy=segment.steps[kind].outside_loop())
+            policy=segment.steps[kind].outside_loop(), rates=rates)
     if mode == "fold":
       return x, None
     return x, pattern.collect(ys)

@@ -29,6 +29,8 @@ from typing import Any, Optional
 import jax
 from jax.sharding import PartitionSpec
 
+from stacktools import _checks
+
 PyTree = Any
 
 
@@ -159,12 +161,13 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
     fsdp_axis = fsdp_axis or "fsdp"
     fsdp_size = axes.get(fsdp_axis, 1)
   fsdp_axis = fsdp_axis or "fsdp"
-  _check_stacks_exist(tree, stacked)
+  with _checks.subject("stacked_partition_specs"):
+    check_stacks_exist(tree, stacked)
 
   def spec(path, leaf):
     shape = getattr(leaf, "shape", ())
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    module = _module_of(path)
+    module = module_of(path)
     layer_axes = num_layer_axes(module, stacked)
     if layer_axes > len(shape):
       raise ValueError(
@@ -190,15 +193,15 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def _module_of(path: Any) -> str:
+def module_of(path: Any) -> str:
   """The Haiku module name in a leaf's path: the key before the last."""
   keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
   return str(keys[-2]) if len(keys) >= 2 else ""
 
 
-def _check_stacks_exist(tree: PyTree, stacked: Sequence[str]) -> None:
+def check_stacks_exist(tree: PyTree, stacked: Sequence[str]) -> None:
   """Each name in ``stacked`` must have at least one leaf under it."""
-  modules = {_module_of(path)
+  modules = {module_of(path)
              for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
   modules.discard("")
   for name in stacked:
@@ -206,7 +209,7 @@ def _check_stacks_exist(tree: PyTree, stacked: Sequence[str]) -> None:
       shown = sorted(modules)
       more = f" and {len(shown) - 20} more" if len(shown) > 20 else ""
       raise ValueError(
-          f"stacked_partition_specs: stacked={list(stacked)} names {name!r}, but "
-          f"no parameter lies under it, so its Layers axis would be sharded "
+          f"{_checks.where()}stacked={list(stacked)} names {name!r}, but "
+          f"no parameter lies under it, so its Layers axis would be treated "
           f"like any other axis. The modules are {shown[:20]}{more}; pass the "
           "full name of each stack (e.g. 'model/h').")

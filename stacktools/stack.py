@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 
 import haiku as hk
 import jax.numpy as jnp
+import numpy as np
 
 from stacktools import _checks
 from stacktools import _kinds
@@ -48,7 +49,8 @@ class _KindParams(hk.Module):
 def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
                 arguments: _layers.BlockArguments, *, pattern: _kinds.Pattern,
                 mode: str, remat: Any, unroll: Union[int, bool], reverse: bool,
-                pipeline: Optional[pipeline_lib.Pipeline] = None) -> tuple[PyTree, PyTree]:
+                pipeline: Optional[pipeline_lib.Pipeline] = None,
+                layer_drop: Optional[np.ndarray] = None) -> tuple[PyTree, PyTree]:
   """Inits (vmapped, per kind) and applies (the engine) a stack.
 
   Call inside the stack's module. A stack of one block is the pattern of one
@@ -56,6 +58,9 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   mixed-layer stack's kinds each live under ``<stack>/<kind>/``. Layer ``i``
   gets the ``i``-th of the stack's per-layer keys at init and at apply, as in
   ``BlockSeq``.
+
+  With ``layer_drop`` (per-layer rates), each step skips its layer at random
+  (see :func:`stacktools._layers.droppable`), at apply only.
 
   With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
   the layers as that pipeline; init (never differentiated, never split) runs
@@ -86,7 +91,8 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
       return new_carry, result
     return step
 
-  steps = {kind: step_of(kind) for kind in pattern.names}
+  rates = _layers.drop_rates(layer_drop, keys)
+  steps = {kind: _layers.droppable(step_of(kind), rates) for kind in pattern.names}
   plan = loops.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
       tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
@@ -160,6 +166,15 @@ class Stacked(_layers.StackModule):
     reverse: apply the layers from the last to the first.
     pattern: the kinds of one period, e.g. ``("local",) * 5 + ("global",)``;
       a string is read one kind per letter (``"LLLG"``).
+    layer_drop: stochastic depth (Huang et al. 2016): while training, skip
+      layer ``i`` with probability ``layer_drop[i]`` (one float: every
+      layer), drawn from the layer's own key; a skipped layer costs no
+      matmuls. A kept layer's update is scaled by ``1 / (1 - rate)`` (the
+      "inverted" form of the paper's test-time rescaling), so evaluation is
+      the plain stack: build it with ``layer_drop=None`` (e.g.
+      ``layer_drop=rates if is_training else None``); the parameters are the
+      same. Apply needs an rng while rates are given. A dropped scan
+      block's ``y`` is zeros. Rates of 0 everywhere are the plain stack.
     ys_by_kind: with a pattern, how ``scan`` returns the blocks' outputs:
       ``None`` in layer order when every kind's agree in shapes and dtypes
       and per kind (``{kind: ys}``, each in kind order) otherwise; ``True``
@@ -178,9 +193,11 @@ class Stacked(_layers.StackModule):
                reverse: bool = False, pattern: Optional[Sequence[str]] = None,
                ys_by_kind: Optional[bool] = None,
                pipeline: Optional[pipeline_lib.Pipeline] = None,
+               layer_drop: Union[None, float, Sequence[float]] = None,
                name: Optional[str] = None):
     super().__init__(make_block, num_layers, remat=remat, reverse=reverse,
-                     pattern=pattern, ys_by_kind=ys_by_kind, name=name)
+                     pattern=pattern, ys_by_kind=ys_by_kind,
+                     layer_drop=layer_drop, name=name)
     with _checks.subject(type(self).__name__):
       self.unroll = _checks.check_unroll(unroll)
       self.pipeline = _check_pipeline(pipeline, pattern, reverse)
@@ -191,7 +208,7 @@ class Stacked(_layers.StackModule):
                  mode: str) -> tuple[PyTree, PyTree]:
     return run_stacked(inners, x, arguments, pattern=pattern, mode=mode,
                        remat=self.remat, unroll=self.unroll, reverse=self.reverse,
-                       pipeline=self.pipeline)
+                       pipeline=self.pipeline, layer_drop=self.layer_drop)
 
 
 def _check_pipeline(pipeline: Any, pattern: Any,

@@ -29,6 +29,7 @@ from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
+from benchmarks import layer_rules  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
 from benchmarks import pipeline  # pylint: disable=wrong-import-position
@@ -115,6 +116,20 @@ def test_step_time_quick(tmp_path):
     assert ratios["over_none"]["full"]["guide_flops_ratio"] == pytest.approx(4 / 3)
     assert isinstance(result["summary"][clock]["targets_missed"], list)
     assert set(result["summary"][clock]["stacked_over_lax_scan"]) == {"none", "full"}
+
+
+def test_layer_rules_quick(tmp_path):
+  result = _run(layer_rules, tmp_path)
+  for name in layer_rules.OPTIMIZERS:
+    run = result["optimizers"][name]
+    assert run["valid_loss"][-1][0] == result["config"]["steps"], name
+    assert _positive_number(run["final_valid_loss"]), name
+  drop = result["layer_drop"]
+  for name in layer_rules.DROPS:
+    assert len(drop["seconds_per_step"][name]) == result["config"]["rounds"], name
+    assert _positive_number(drop["median_s"][name]), name
+  assert _positive_number(result["summary"]["drop_step_time_ratio"])
+  assert result["summary"]["best"] in layer_rules.OPTIMIZERS
 
 
 def test_remat_plan_quick(tmp_path):

@@ -90,6 +90,10 @@ class GPTConfig:
     pipeline: an ``st.Pipeline`` for the stack (``stack="scan"``), or
       ``None``. Not part of the model's shape: checkpoints
       leave it out, and a pipelined run resumes a plain one's and back.
+    layer_drop: stochastic depth while training: the drop rate of the last
+      layer, linear in depth (layer ``i`` of ``L`` skips with probability
+      ``layer_drop * (i + 1) / L``, as in Huang et al. 2016). Evaluation
+      and decoding run every layer. Not part of the model's shape either.
   """
 
   vocab_size: int
@@ -106,6 +110,7 @@ class GPTConfig:
   window: int = 0
   bias: bool = True
   pipeline: Optional[st.Pipeline] = None
+  layer_drop: float = 0.0
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -126,10 +131,16 @@ class GPTConfig:
       raise ValueError(f"window={self.window} is the span of L layers, but "
                        f"pattern={self.pattern!r} has none; drop the window or "
                        "add L layers to the pattern.")
+    if not 0 <= self.layer_drop < 1:
+      raise ValueError(f"layer_drop={self.layer_drop} must be in [0, 1).")
     if self.pipeline is not None and self.stack != "scan":
       raise ValueError(f"pipeline= needs stack='scan' (got stack={self.stack!r}): "
                        "a pipeline splits the layers of one st.Stacked; st.BlockSeq "
                        "has none.")
+
+  def drop_rates(self) -> list[float]:
+    """Each layer's drop rate while training: linear in depth up to ``layer_drop``."""
+    return [self.layer_drop * (i + 1) / self.num_layers for i in range(self.num_layers)]
 
   def kind_count(self, letter: str) -> int:
     """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""
@@ -264,8 +275,12 @@ def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str
   }
 
 
-def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None):
-  """The block stack ``h``: one block, or the kinds of ``cfg.pattern``."""
+def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None, training: bool = False):
+  """The block stack ``h``: one block, or the kinds of ``cfg.pattern``.
+
+  While ``training``, with ``cfg.layer_drop``, layers are skipped at random
+  (the stack's ``layer_drop=``, which draws from the transform's rng).
+  """
   if cfg.pattern:
     windows = {"L": cfg.window, "G": None}
     make_block = {KINDS[c]: functools.partial(Block, cfg, windows[c])
@@ -273,6 +288,8 @@ def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None):
     config = dict(pattern=tuple(KINDS[c] for c in cfg.pattern), ys_by_kind=ys_by_kind)
   else:
     make_block, config = (lambda: Block(cfg)), {}
+  if training and cfg.layer_drop:
+    config["layer_drop"] = cfg.drop_rates()
   if cfg.stack == "unrolled":   # a Python loop: nothing to unroll further
     return st.BlockSeq(make_block, cfg.num_layers, remat=cfg.remat, name="h", **config)
   if cfg.pipeline is not None:
@@ -294,14 +311,16 @@ def _head(cfg: GPTConfig, x: jax.Array) -> jax.Array:
   return Linear(cfg.vocab_size, with_bias=cfg.bias, name="head")(x)
 
 
-def forward(cfg: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:
+def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
+            ) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:
   """Logits for every position of ``tokens`` (``[B, T]``), and per-layer stats.
 
   Call inside ``hk.transform``. Stats are ``None`` for fold blocks and a dict
-  of ``[num_layers]`` arrays for scan blocks.
+  of ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
+  ``training`` with ``cfg.layer_drop`` needs an rng.
   """
   x = _embed(cfg, tokens)
-  stack = _stack(cfg)
+  stack = _stack(cfg, training=training)
   stats = None
   if cfg.block == "fold":
     x = stack.fold(x)
@@ -356,9 +375,9 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
   return _head(cfg, x), cache
 
 
-def loss_fn(cfg: GPTConfig, tokens: jax.Array):
+def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
   """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats."""
-  logits, stats = forward(cfg, tokens[:, :-1])
+  logits, stats = forward(cfg, tokens[:, :-1], training)
   targets = tokens[:, 1:]
   log_probs = jax.nn.log_softmax(logits)
   nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]

@@ -6,6 +6,7 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
   python examples/gpt/train.py --remat=auto --memory_budget=24MiB  # planned
+  python examples/gpt/train.py --optimizer=muon --layer_lr_decay=0.8 --freeze_layers=0:1 --layer_drop=0.1
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
@@ -112,6 +113,25 @@ _LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Peak learning rate."
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.", lower_bound=0)
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0)
 _GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global gradient-norm clip (0: off).", lower_bound=0.0)
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer", "adamw", ("adamw", "muon"), "adamw: AdamW on every parameter. "
+    "muon: Muon (optax.contrib.muon) on each block's weight matrices, one layer "
+    "at a time (st.over_layers), and AdamW on the rest (embeddings, head, "
+    "norms, biases), as modded-nanoGPT does.")
+_MUON_LEARNING_RATE = flags.DEFINE_float(
+    "muon_learning_rate", 0.02, "With --optimizer=muon: the peak learning rate of "
+    "the Muon matrices (the warmup and decay of --learning_rate).", lower_bound=0.0)
+_LAYER_LR_DECAY = flags.DEFINE_float(
+    "layer_lr_decay", 1.0, "Layer-wise learning-rate decay: the updates of block "
+    "i of L are scaled by this to the power L - 1 - i (the last block by 1), "
+    "e.g. 0.8 for fine-tuning; 1: none.")
+_FREEZE_LAYERS = flags.DEFINE_string(
+    "freeze_layers", "", "A:B: blocks A to B-1 do not train (a zero update, no "
+    "weight decay, their optimizer state unchanged), e.g. 0:2. Default: none.")
+_LAYER_DROP = flags.DEFINE_float(
+    "layer_drop", 0.0, "Stochastic depth while training: the last block's drop "
+    "rate, linear in depth (block i of L skips with probability rate * (i + 1) / L); "
+    "evaluation and sampling run every block. 0: none.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1)
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.")
@@ -223,6 +243,44 @@ def _check_save_names(f: dict[str, Any]) -> bool:
 
 
 flags.register_multi_flags_validator(["save_names", "remat"], _check_save_names)
+flags.register_validator(
+    "layer_lr_decay", lambda v: 0 < v <= 1,
+    message="--layer_lr_decay must be in (0, 1]: 1 is no decay, 0.8 a usual one.")
+flags.register_validator(
+    "layer_drop", lambda v: 0 <= v < 1,
+    message="--layer_drop must be in [0, 1): the last block's drop rate, e.g. 0.1.")
+
+
+def layer_range(text: str, num_layers: int) -> range:
+  """``"A:B"`` -> ``range(A, B)``, checked against the depth (``""``: empty)."""
+  if not text:
+    return range(0)
+  parts = text.split(":")
+  try:
+    start, stop = (int(p) for p in parts)
+  except ValueError:
+    start = stop = None
+  if start is None or not 0 <= start < stop <= num_layers:
+    raise ValueError(f"--freeze_layers={text!r} must be A:B with 0 <= A < B <= "
+                     f"--num_layers={num_layers} (blocks A to B-1), e.g. 0:2.")
+  return range(start, stop)
+
+
+def _check_layer_rules(f: dict[str, Any]) -> bool:
+  try:
+    frozen = layer_range(f["freeze_layers"], f["num_layers"])
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  if f["stack"] == "unrolled" and (frozen or f["layer_lr_decay"] != 1):
+    raise flags.ValidationError(
+        "--freeze_layers and --layer_lr_decay index the Layers axis of the stacked "
+        "parameters, which --stack=unrolled (one parameter per layer) does not "
+        "have: use --stack=scan.")
+  return True
+
+
+flags.register_multi_flags_validator(
+    ["freeze_layers", "layer_lr_decay", "num_layers", "stack"], _check_layer_rules)
 flags.register_multi_flags_validator(
     ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
     message="--stop_after must be at most --steps.")
@@ -302,8 +360,22 @@ def remat_text(remat: Any) -> str:
 
 
 def transform(cfg: model_lib.GPTConfig) -> hk.Transformed:
-  """The model's loss: ``(params, tokens) -> (loss, stats)``."""
-  return hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
+  """The model's loss: ``(params, tokens, training=False) -> (loss, stats)``.
+
+  While ``training``, ``cfg.layer_drop`` skips blocks at random, with a key
+  drawn from the batch itself: a resumed run skips the blocks an
+  uninterrupted one would, with no key to pass or checkpoint.
+  """
+  def loss(tokens, training=False):
+    if not (training and cfg.layer_drop):
+      return model_lib.loss_fn(cfg, tokens)
+    # A hash of the tokens, position-weighted (odd multipliers mod 2^32).
+    weights = jnp.arange(1, 2 * tokens.size, 2, dtype=jnp.uint32).reshape(tokens.shape)
+    digest = jnp.sum(tokens.astype(jnp.uint32) * weights * jnp.uint32(2654435761))
+    with hk.with_rng(jax.random.fold_in(jax.random.PRNGKey(0), digest)):
+      return model_lib.loss_fn(cfg, tokens, training=True)
+
+  return hk.without_apply_rng(hk.transform(loss))
 
 
 def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Array,
@@ -320,7 +392,7 @@ def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Arra
   model = transform(cfg)
   with jax.set_mesh(mesh):   # a pipelined stack checks itself against the mesh
     shapes = jax.eval_shape(model.init, key, tokens)
-    jax.eval_shape(model.apply, shapes, tokens)
+    jax.eval_shape(lambda p, t: model.apply(p, t, training=True), shapes, tokens)
   return shapes
 
 
@@ -329,7 +401,8 @@ def make_train_step(model: hk.Transformed,
   """``(params, opt_state, tokens) -> (params, opt_state, loss, stats)``."""
 
   def train_step(params, opt_state, tokens):
-    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(params, tokens)
+    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(
+        params, tokens, training=True)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, stats
 
@@ -424,18 +497,38 @@ def make_pipeline(mesh_sizes: dict[str, int], mesh_spec: str,
   return pipeline
 
 
-def make_optimizer(steps: int) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay (to a tenth), gradients clipped."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=_LEARNING_RATE.value,
-      # --warmup_steps < --steps (a flag validator): at least one step of
-      # cosine decay, which optax needs.
-      warmup_steps=_WARMUP_STEPS.value, decay_steps=steps,
-      end_value=_LEARNING_RATE.value / 10)
+def make_optimizer(steps: int, cfg: model_lib.GPTConfig) -> optax.GradientTransformation:
+  """AdamW (or Muon on the blocks' matrices and AdamW on the rest) with linear
+  warmup and cosine decay (to a tenth), gradients clipped; --layer_lr_decay
+  and --freeze_layers act on the block stack's layers."""
+  def schedule(peak):
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak,
+        # --warmup_steps < --steps (a flag validator): at least one step of
+        # cosine decay, which optax needs.
+        warmup_steps=_WARMUP_STEPS.value, decay_steps=steps,
+        end_value=peak / 10)
   parts = []
   if _GRAD_CLIP.value > 0:
     parts.append(optax.clip_by_global_norm(_GRAD_CLIP.value))
-  parts.append(optax.adamw(schedule, weight_decay=_WEIGHT_DECAY.value))
+  tx = optax.adamw(schedule(_LEARNING_RATE.value), weight_decay=_WEIGHT_DECAY.value)
+  if _OPTIMIZER.value == "muon":
+    def labels(params):   # the blocks' weight matrices (one per layer), and the rest
+      return jax.tree_util.tree_map_with_path(
+          lambda path, _: "muon" if (str(path[0].key).startswith("h/")
+                                     and path[-1].key == "w") else "adamw", params)
+    muon = optax.contrib.muon(schedule(_MUON_LEARNING_RATE.value),
+                              weight_decay=_WEIGHT_DECAY.value)
+    tx = optax.partition({"muon": muon, "adamw": tx}, labels)
+  L, decay = cfg.num_layers, _LAYER_LR_DECAY.value  # pylint: disable=invalid-name
+  frozen = layer_range(_FREEZE_LAYERS.value, L)
+  # AdamW alone is elementwise: per layer or not, the same steps. BlockSeq's
+  # layers are separate leaves already.
+  if cfg.stack == "scan" and (_OPTIMIZER.value == "muon" or decay != 1 or frozen):
+    tx = st.over_layers(
+        tx, stacked={"h": tuple(model_lib.KINDS[c] for c in cfg.pattern) or None},
+        scale=(lambda i: decay ** (L - 1 - i)) if decay != 1 else None, frozen=frozen)
+  parts.append(tx)
   return optax.chain(*parts)
 
 
@@ -647,8 +740,7 @@ def set_up(argv) -> Run:
         remat=checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value),
         unroll=_UNROLL.value, pattern=_PATTERN.value,
         window=(_WINDOW.value or DEFAULT_WINDOW) if "L" in _PATTERN.value else 0,
-        bias=_BIAS.value,
-        pipeline=pipeline)
+        bias=_BIAS.value, pipeline=pipeline, layer_drop=_LAYER_DROP.value)
     param_shapes = trace_model(cfg, mesh, init_key, sampler_peek(sampler))
   except (TypeError, ValueError) as e:
     sys.exit(f"error: {e}")
@@ -668,7 +760,7 @@ def set_up(argv) -> Run:
   logging.info("Model: %s", cfg)
 
   model = transform(cfg)
-  optimizer = make_optimizer(steps)
+  optimizer = make_optimizer(steps, cfg)
   eval_sampler = data_lib.BatchSampler(dataset.valid, _BATCH_SIZE.value,
                                        _SEQ_LEN.value, _SEED.value + 1)
   eval_batches = [eval_sampler.next() for _ in range(_EVAL_BATCHES.value)]
@@ -763,7 +855,7 @@ def set_up(argv) -> Run:
     checkpoints.save(step, params, opt_state, {
         "sampler_state": sampler.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                   if f.name not in ("remat", "pipeline")},
+                   if f.name not in ("remat", "pipeline", "layer_drop")},
         "chars": dataset.chars})
 
   if is_chief:

@@ -1,0 +1,266 @@
+"""Tests for ``st.over_layers``: optax per layer on stacked parameters.
+
+The reference for every case is the same optax transformation run on each
+layer separately: ``st.unstack_params`` -> one optimizer per layer (and one
+on the leaves under no stack) in a Python loop -> ``st.stack_params``,
+several steps, on real parameter trees of ``st.Stacked`` (plain and
+mixed-layer). Compositions (``optax.chain``, ``optax.masked``,
+``optax.MultiSteps``) are checked against the same composition of Adam
+without ``over_layers``: Adam is elementwise, so the two agree.
+"""
+
+import subprocess
+import sys
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stacktools as st
+
+D, L = 6, 4
+STEPS = 3
+PATTERN = ("a", "a", "b")
+
+
+def _block_a():
+  return lambda x: x + jnp.tanh(hk.Linear(D, name="fc")(x))
+
+
+def _block_b():
+  return lambda x: x + jax.nn.relu(hk.Linear(D + 2, name="up")(x))[..., :D]
+
+
+def _params(pattern=None, num_layers=L):
+  def model(x):
+    x = hk.Linear(D, name="embed")(x)
+    if pattern is None:
+      x = st.Stacked(_block_a, num_layers, name="h").fold(x)
+    else:
+      x = st.Stacked({"a": _block_a, "b": _block_b}, num_layers, pattern=pattern,
+                     name="h").fold(x)
+    return hk.Linear(3, name="head")(x)
+  return hk.transform(model).init(jax.random.PRNGKey(0), jnp.ones((2, 5)))
+
+
+def _grads(params, steps=STEPS):
+  """A different random gradient per step (shapes of ``params``)."""
+  out = []
+  for s in range(steps):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(100 + s), len(leaves))
+    out.append(tree.unflatten([jax.random.normal(k, a.shape) for k, a in zip(keys, leaves)]))
+  return out
+
+
+def _run(tx, params, grads):
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _reference(make_tx, params, grads, pattern=None, scale=None):
+  """``make_tx()`` once per layer of the unstacked params, and once on the rest."""
+  flat = st.unstack_params(params, "h", pattern=pattern)
+  depth = 1 + max(int(k.split("/")[1][len("layer_"):]) for k in flat if k.startswith("h/layer_"))
+  groups = {i: [k for k in flat if k.startswith(f"h/layer_{i}/")] for i in range(depth)}
+  groups["rest"] = [k for k in flat if not k.startswith("h/")]
+  txs = {g: make_tx() for g in groups}
+  states = {g: txs[g].init({k: flat[k] for k in keys}) for g, keys in groups.items()}
+  for grad in grads:
+    flat_grad = st.unstack_params(grad, "h", pattern=pattern)
+    for g, keys in groups.items():
+      sub = {k: flat[k] for k in keys}
+      updates, states[g] = txs[g].update({k: flat_grad[k] for k in keys}, states[g], sub)
+      if scale is not None and g != "rest":
+        updates = jax.tree.map(lambda u: u * scale(g), updates)  # pylint: disable=cell-var-from-loop
+      flat.update(optax.apply_updates(sub, updates))
+  return st.stack_params(flat, "h", pattern=pattern)
+
+
+def _assert_close(got, want, rtol=1e-6):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    scale = float(jnp.max(jnp.abs(b))) or 1.0
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=rtol * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+MUON = lambda: optax.contrib.muon(0.05, weight_decay=0.01)  # pylint: disable=unnecessary-lambda-assignment
+# Factored from 4 rows and columns up, so that the small test matrices are
+# factored (the default factors only sides of 128 and more).
+ADAFACTOR = lambda: optax.adafactor(0.01, min_dim_size_to_factor=4)  # pylint: disable=unnecessary-lambda-assignment
+ADAM = lambda: optax.adamw(0.01, weight_decay=0.1)  # pylint: disable=unnecessary-lambda-assignment
+TRANSFORMS = {"muon": MUON, "adafactor": ADAFACTOR, "adam": ADAM}
+
+
+ELEMENTWISE = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "lion": lambda: optax.lion(1e-3)}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS) + list(ELEMENTWISE))
+def test_plain_stack_equals_one_optimizer_per_layer(name):
+  params = _params()
+  grads = _grads(params)
+  make = {**TRANSFORMS, **ELEMENTWISE}[name]
+  got, state = _run(st.over_layers(make(), stacked=["h"]), params, grads)
+  _assert_close(got, _reference(make, params, grads))
+  # Every state leaf of the stack leads with its layers.
+  for leaf in jax.tree.leaves(state.layers["h"]):
+    assert leaf.shape[0] == L
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_mixed_layer_stack_equals_one_optimizer_per_layer(name):
+  params = _params(PATTERN, num_layers=5)   # a a b a a
+  grads = _grads(params)
+  scale = lambda i: 1.0 + 0.5 * i    # global indices follow the pattern  # pylint: disable=unnecessary-lambda-assignment
+  tx = st.over_layers(TRANSFORMS[name](), stacked={"h": PATTERN}, scale=scale)
+  got, state = _run(tx, params, grads)
+  _assert_close(got, _reference(TRANSFORMS[name], params, grads, PATTERN, scale))
+  assert set(state.layers) == {"h/a", "h/b"}
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(state.layers["h/a"])} == {4}
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(state.layers["h/b"])} == {1}
+
+
+def test_muon_on_the_stacked_tensor_is_another_optimizer():
+  params = _params()
+  grads = _grads(params)
+  want = _reference(MUON, params, grads)
+  per_layer, _ = _run(st.over_layers(MUON(), stacked=["h"]), params, grads)
+  # Muon's default: a 3-D leaf is not a matrix, so it gets AdamW instead.
+  default, _ = _run(MUON(), params, grads)
+  # Muon's default dimension numbers forced onto [L, in, out]: orthogonalizes
+  # over (L, in), with out as the batch.
+  forced, _ = _run(optax.contrib.muon(
+      0.05, weight_decay=0.01, muon_weight_dimension_numbers=lambda p: jax.tree.map(
+          lambda a: optax.contrib.MuonDimensionNumbers() if a.ndim >= 2 else None, p)),
+                   params, grads)
+  w = "h/fc"
+  np.testing.assert_allclose(per_layer[w]["w"], want[w]["w"], rtol=0, atol=1e-6)
+  for naive in (default, forced):
+    assert float(jnp.max(jnp.abs(naive[w]["w"] - want[w]["w"]))) > 1e-2
+
+
+def test_layer_wise_scale_from_an_array():
+  params = _params()
+  grads = _grads(params)
+  factors = [0.8 ** (L - 1 - i) for i in range(L)]
+  got, _ = _run(st.over_layers(ADAM(), stacked="h", scale=factors), params, grads)
+  _assert_close(got, _reference(ADAM, params, grads, scale=lambda i: factors[i]))
+
+
+def test_frozen_layers_stay_bit_identical_through_adamw_with_weight_decay():
+  params = _params()
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   st.over_layers(optax.adamw(0.05, weight_decay=0.5), stacked=["h"],
+                                  frozen=range(0, 2)))
+  state = tx.init(params)
+  new = params
+  for g in _grads(params, steps=20):
+    updates, state = tx.update(g, state, new)
+    new = optax.apply_updates(new, updates)
+  for name, value in new["h/fc"].items():
+    np.testing.assert_array_equal(value[:2], params["h/fc"][name][:2])
+    assert float(jnp.min(jnp.abs(value[2:] - params["h/fc"][name][2:]).max(axis=-1))) > 0
+  # Their optimizer state did not move either: zero moments, count 0.
+  adam = state[1].layers["h"][0]
+  assert adam.count.tolist() == [0, 0, 20, 20]
+  for moment in (adam.mu, adam.nu):
+    assert not np.any(moment["h/fc"]["w"][:2])
+  # The rest trained.
+  assert float(jnp.max(jnp.abs(new["head"]["w"] - params["head"]["w"]))) > 0
+
+
+def test_frozen_layers_of_a_mixed_layer_stack_by_global_index():
+  params = _params(PATTERN, num_layers=5)   # a a b a a: layer 2 is the b
+  tx = st.over_layers(optax.adamw(0.05, weight_decay=0.5), stacked={"h": PATTERN},
+                      frozen={1, 2})
+  new, _ = _run(tx, params, _grads(params))
+  np.testing.assert_array_equal(new["h/b/up"]["w"], params["h/b/up"]["w"])
+  # a's rows are layers 0, 1, 3, 4: row 1 (layer 1) frozen, the rest move.
+  moved = jnp.abs(new["h/a/fc"]["w"] - params["h/a/fc"]["w"]).max(axis=(1, 2))
+  assert moved[1] == 0 and bool(jnp.all(moved[jnp.array([0, 2, 3])] > 0))
+
+
+def _adam_pair(wrap):
+  """``wrap(over_layers(adam))`` and ``wrap(adam)``: equal, adam being elementwise."""
+  return wrap(st.over_layers(optax.adam(0.01), stacked=["h"])), wrap(optax.adam(0.01))
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda tx: optax.chain(optax.clip_by_global_norm(0.5), tx),
+    lambda tx: optax.masked(tx, lambda p: jax.tree.map(lambda a: a.ndim > 1, p)),
+    lambda tx: optax.MultiSteps(tx, every_k_schedule=2),
+], ids=["chain", "masked", "multisteps"])
+def test_composes_with_optax(wrap):
+  params = _params()
+  grads = _grads(params, steps=4)
+  ours, theirs = _adam_pair(wrap)
+  got, _ = _run(ours, params, grads)
+  want, _ = _run(theirs, params, grads)
+  _assert_close(got, want)
+  assert float(jnp.max(jnp.abs(got["h/fc"]["w"] - params["h/fc"]["w"]))) > 0
+
+
+def test_nested_stacks_run_per_matrix():
+  params = {"outer/blk/inner/lin": {"w": jax.random.normal(jax.random.PRNGKey(1), (2, 3, 4, 5))},
+            "outer/blk/norm": {"scale": jnp.ones((2, 5))}}
+  grads = _grads(params)
+  got, _ = _run(st.over_layers(MUON(), stacked=["outer", "outer/blk/inner"]), params, grads)
+  w = params["outer/blk/inner/lin"]["w"]
+  for i in range(2):
+    for j in range(3):
+      sub, _ = _run(MUON(), {"lin": {"w": w[i, j]}},
+                    [{"lin": {"w": g["outer/blk/inner/lin"]["w"][i, j]}} for g in grads])
+      np.testing.assert_allclose(got["outer/blk/inner/lin"]["w"][i, j], sub["lin"]["w"],
+                                 rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stacked=["hh"]), r"over_layers: stacked=\['hh'\] names 'hh', but no parameter "
+     r"lies under it.*'h/fc'"),
+    (dict(stacked=["h"], scale=[1.0, 2.0]), r"over_layers: scale= has 2 values, but the "
+     r"stack 'h' has 4 layers"),
+    (dict(stacked=["h"], frozen=[3, 4, 7]), r"over_layers: frozen= names the layers "
+     r"\[4, 7\], but the stack 'h' has layers 0..3"),
+    (dict(stacked={"h": ("a", "b")}), r"over_layers: 'h/fc' lies under no kind of "
+     r"pattern \('a', 'b'\)"),
+])
+def test_mistakes_are_named_at_init(kwargs, message):
+  tx = st.over_layers(optax.adam(0.1), **kwargs)
+  with pytest.raises(ValueError, match=message):
+    tx.init(_params())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(stacked=[]), ValueError, r"over_layers: stacked= is empty"),
+    (dict(stacked=["h/"]), ValueError, r"over_layers: stacked= names 'h/'; each entry"),
+    (dict(stacked=["h"], scale="big"), TypeError, r"over_layers: scale='big' must be a "
+     r"function of the global layer index"),
+    (dict(stacked=["h"], frozen=[0.5]), TypeError, r"over_layers: frozen=\[0.5\] must be "
+     r"layer indices"),
+])
+def test_mistakes_are_named_when_built(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    st.over_layers(optax.adam(0.1), **kwargs)
+
+
+def test_a_blockseq_layout_is_refused():
+  unstacked = st.unstack_params(_params(), "h")
+  with pytest.raises(ValueError, match=r"over_layers: the parameters under 'h' are in "
+                     r"the BlockSeq layout \(h/layer_<i>/...\)"):
+    st.over_layers(optax.adam(0.1), stacked=["h"]).init(unstacked)
+
+
+def test_import_stacktools_brings_no_optimizer_library_beyond_optax():
+  code = ("import sys, stacktools\n"
+          "bad = sorted({m.split('.')[0] for m in sys.modules} & {'flax', 'jaxopt', "
+          "'optimistix', 'tensorflow', 'torch', 'keras', 'levanter', 'haliax'})\n"
+          "print(bad)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
