@@ -39,7 +39,7 @@ PyTree = Any
 #: The policies every benchmark knows, in display order: stacktools' remat
 #: aliases, then ``save_named``, which keeps the one internal named by
 #: ``--save_name`` (default ``mlp_hidden``).
-POLICIES = tuple(st.REMAT_ALIASES) + ("save_named",)
+POLICIES = tuple(st.CheckpointPolicy.ALIASES) + ("save_named",)
 #: The ways of applying a block N times, in display order.
 IMPLS = ("stacked", "blockseq", "hk_layer_stack", "lax_scan")
 IMPL_LABELS = {

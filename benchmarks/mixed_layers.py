@@ -56,7 +56,7 @@ from examples.gpt import model as gpt  # pylint: disable=wrong-import-position
 
 NAME = "mixed_layers"
 P51 = "LLLLLG"
-ALIASES = tuple(st.REMAT_ALIASES)
+ALIASES = tuple(st.CheckpointPolicy.ALIASES)
 CONTENDERS = {"pattern": "st.Stacked, pattern=LLLLLG", "blockseq": "st.BlockSeq, pattern=LLLLLG",
               "one_block": "st.Stacked, one (global) block"}
 RTOL = 1e-5

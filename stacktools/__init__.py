@@ -13,7 +13,6 @@ from stacktools.pipeline import Pipeline
 from stacktools.plan import plan_remat
 from stacktools.policy import checkpoint_name
 from stacktools.policy import CheckpointPolicy
-from stacktools.policy import REMAT_ALIASES
 from stacktools.report import remat_report
 from stacktools.segments import per_depth
 from stacktools.seq import BlockSeq
@@ -29,6 +28,8 @@ from stacktools.optim import OverLayersState
 from stacktools.plan import RematPlan
 from stacktools.report import RematReport
 from stacktools.segments import PerDepth
+# The alias table by its first name; CheckpointPolicy.ALIASES is its home.
+from stacktools.policy import REMAT_ALIASES
 
 __version__ = "0.1.0"
 
@@ -36,7 +37,6 @@ __all__ = (
     "BlockSeq",
     "CheckpointPolicy",
     "Pipeline",
-    "REMAT_ALIASES",
     "Stacked",
     "checkpoint_name",
     "fold",

@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import jax
 import numpy as np
@@ -166,6 +166,10 @@ class CheckpointPolicy:
       and lets XLA optimise more.
     disable: no checkpointing at all: every intermediate is kept.
   """
+
+  #: The ``remat=`` aliases and the policies they stand for (set below the
+  #: class, as :data:`REMAT_ALIASES`).
+  ALIASES: ClassVar[Mapping[str, "CheckpointPolicy"]]
 
   save_carries: SaveOption = True
   save_inputs: SaveOption = False
@@ -467,6 +471,9 @@ REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
     "save_all": CheckpointPolicy(save_carries=True, save_inputs=True,
                                  save_block_internals=True),
 })
+#: The same table on the class, where a user looks for it:
+#: ``st.CheckpointPolicy.ALIASES["nested"]``, ``list(st.CheckpointPolicy.ALIASES)``.
+CheckpointPolicy.ALIASES = REMAT_ALIASES
 
 
 def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 1.0,

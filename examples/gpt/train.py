@@ -63,7 +63,7 @@ MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "wind
 
 _REMAT = flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
-    f"{', '.join(st.REMAT_ALIASES)}; 'auto' (planned under --memory_budget); or "
+    f"{', '.join(st.CheckpointPolicy.ALIASES)}; 'auto' (planned under --memory_budget); or "
     "per-depth segments alias:layers, e.g. none:2,full:6 (the layers add up to "
     "--num_layers).")
 _MEMORY_BUDGET = flags.DEFINE_string(
