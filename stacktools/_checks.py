@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -140,6 +141,12 @@ def check_unroll(unroll: Any) -> Union[int, bool]:
       return value
   raise ValueError(f"{where()}unroll={unroll!r} is not accepted: use an int >= 1 "
                    "(steps per rolled loop iteration) or True to unroll fully.")
+
+
+def check_in_place(in_place: Any, owner: str) -> None:
+  """``in_place=`` of ``st.per_layer``/``st.per_kind``: a bool."""
+  if not isinstance(in_place, (bool, np.bool_)):
+    raise TypeError(f"{owner}: in_place={in_place!r} must be True or False.")
 
 
 def check_length(length: Any) -> int:

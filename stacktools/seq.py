@@ -18,9 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 
 from stacktools import _checks
+from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import _layers
 from stacktools import policy as policy_lib
@@ -32,7 +34,8 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy):
+  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy,
+               arguments):
     def init(key, x, sliced):
       with _layers.at_layer(index):
         return inner.init(key, x, sliced)
@@ -42,7 +45,8 @@ class _Layer(hk.Module):
     params, state = params_and_state(init_key, x, sliced)
 
     def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode)
+      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode,
+                                              arguments=arguments)
       _checks.check_carry(carry, new_carry)
       return new_carry, result
 
@@ -50,7 +54,7 @@ class _Layer(hk.Module):
                                sliced=sliced, index=index)
     x, result = policy.checkpoint_step(step)(x, layer)
     updater.update(result.state)
-    return x, result.y
+    return x, result.y, result.writes
 
 
 class BlockSeq(_layers.StackModule):
@@ -107,17 +111,23 @@ class BlockSeq(_layers.StackModule):
         self.remat, n, kinds=pattern.names, period=pattern.period,
         reverse=self.reverse, init=hk.running_init(),
         tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
-    ys = [None] * n
+    ys, writes = [None] * n, [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
       for i in (reversed(layers) if self.reverse else layers):
         kind = pattern.kind_of(i)
-        x, ys[i] = _Layer(name=f"layer_{i}")(
+        x, ys[i], writes[i] = _Layer(name=f"layer_{i}")(
             inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], mode=mode,
-            policy=segment.steps[kind].outside_loop())
+            policy=segment.steps[kind].outside_loop(), arguments=arguments)
     if mode == "fold":
       return x, None
-    return x, pattern.collect(ys)
+    ys = pattern.collect(ys)
+    if arguments.in_place:   # each layer's writes, in place after the last
+      by_kind = {kind: jax.tree_util.tree_map(
+          lambda *w: jnp.stack(w), *[writes[i] for i in pattern.layer_ids(kind)])
+                 for kind in pattern.names}
+      ys = _in_place.fill(ys, arguments.written(by_kind, pattern))
+    return x, ys

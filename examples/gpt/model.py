@@ -173,11 +173,8 @@ class CausalSelfAttention(hk.Module):
     elif cache is not None:
       # The new keys and values go in at ``pos``; queries attend to every
       # cached position up to their own.
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype),
-                                       (0, pos, 0, 0))
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype),
-                                       (0, pos, 0, 0))
-      new_cache = {"k": k, "v": v}
+      new_cache, held = _write(cache, {"k": k, "v": v}, pos)
+      k, v = held["k"], held["v"]
       query_pos = query_pos + pos
       key_pos = jnp.arange(k.shape[1])
     mask = key_pos[None, :] <= query_pos[:, None]
@@ -195,21 +192,56 @@ class CausalSelfAttention(hk.Module):
     out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out), "attn_out")
     return out, probs, new_cache
 
-  def _ring(self, cache: Cache, k: jax.Array, v: jax.Array, pos: jax.Array):
-    """Keys and values to attend to (the ring, then the new ones), their
-    positions, and the ring with the newest ``window`` positions written."""
-    t, slots = k.shape[1], cache["k"].shape[1]
+  def _ring(self, cache: Any, k: jax.Array, v: jax.Array, pos: jax.Array):
+    """Keys and values to attend to, their positions, and the ring with the
+    newest ``window`` positions written.
+
+    One new position of an in-place ring (a decode step) goes into its slot
+    and the ring is read back: the keys are the ring alone. Otherwise the
+    keys are the ring as it was, then the new ones.
+    """
+    t, slots = k.shape[1], _cache_length(cache)
+    if t == 1 and not isinstance(cache, dict):
+      new_cache, held = _write(cache, {"k": k, "v": v}, pos % slots)
+      # Slot s now holds the latest position up to pos that is s modulo the
+      # ring's size; a negative one was never written and is masked out.
+      key_pos = pos - (pos - jnp.arange(slots)) % slots
+      return held["k"], held["v"], jnp.where(key_pos >= 0, key_pos, -slots - 1), new_cache
+    ring = cache if isinstance(cache, dict) else cache.read()
     # Slot s holds the latest position before pos that is s modulo the ring's
     # size; a negative one was never written and is masked out.
     held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
     key_pos = jnp.concatenate([jnp.where(held >= 0, held, -slots - 1), pos + jnp.arange(t)])
-    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
-    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
+    keys = jnp.concatenate([ring["k"], k.astype(ring["k"].dtype)], axis=1)
+    values = jnp.concatenate([ring["v"], v.astype(ring["v"].dtype)], axis=1)
     newest = min(t, slots)          # only the last ``slots`` new ones survive
     where = (pos + t - newest + jnp.arange(newest)) % slots
-    new_cache = {"k": cache["k"].at[:, where].set(k[:, t - newest:].astype(cache["k"].dtype)),
-                 "v": cache["v"].at[:, where].set(v[:, t - newest:].astype(cache["v"].dtype))}
+    new_ring = {"k": ring["k"].at[:, where].set(k[:, t - newest:].astype(ring["k"].dtype)),
+                "v": ring["v"].at[:, where].set(v[:, t - newest:].astype(ring["v"].dtype))}
+    new_cache = new_ring if isinstance(cache, dict) else cache.write(new_ring)
     return keys, values, key_pos, new_cache
+
+
+def _cache_length(cache: Any) -> int:
+  """The positions a layer's cache holds (a slice, or an in-place view)."""
+  if isinstance(cache, dict):
+    return cache["k"].shape[1]
+  return cache.read()["k"].shape[1]   # unused otherwise: compiled away
+
+
+def _write(cache: Any, kv: Cache, at: jax.Array) -> tuple[Any, Cache]:
+  """Writes ``kv`` (``[B, t, H, D]`` each) at position ``at`` of a layer's cache.
+
+  Returns what the block gives back (a new slice, or the in-place view that
+  ``st.per_layer(..., in_place=True)`` handed it, written) and the keys and
+  values the cache then holds.
+  """
+  if isinstance(cache, dict):   # st.per_layer(cache): the slice, replaced
+    new = {name: jax.lax.dynamic_update_slice(
+        cache[name], kv[name].astype(cache[name].dtype), (0, at, 0, 0)) for name in kv}
+    return new, new
+  cache = cache.write(kv, at=(0, at))   # only the new positions are written
+  return cache, cache.read()
 
 
 class Block(hk.Module):
@@ -331,28 +363,33 @@ def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
 
 
 def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
-           pos: jax.Array) -> tuple[jax.Array, Cache]:
+           pos: jax.Array, *, in_place: bool = True) -> tuple[jax.Array, Cache]:
   """Logits for ``tokens`` placed at ``pos``, attending to the cache.
 
   Call inside ``hk.transform`` (same parameters as :func:`forward`). The
-  cache goes into the stack sliced per layer with ``st.per_layer`` (per kind
-  with ``st.per_kind`` for a pattern) and the updated cache comes back as
-  the stack's scan output, in the same layout.
+  cache goes into the stack as ``st.per_layer(cache, in_place=True)``
+  (``st.per_kind`` for a pattern): each layer writes its new keys and values
+  into its row of the whole cache, which comes back as the stack's scan
+  output, updated in place when the caller donates it. ``in_place=False``
+  slices the cache per layer and stacks every layer's new slice instead (a
+  second cache each step; what ``benchmarks/decode.py`` compares against).
 
   Args:
     cfg: the model config.
     tokens: ``[B, T]``: the prompt (prefill, ``pos=0``) or one new token.
     cache: from :func:`init_cache` or the previous call.
     pos: where ``tokens`` start.
+    in_place: the in-place form (above) or the sliced one.
 
   Returns:
     ``(logits [B, T, vocab], new_cache)``.
   """
   x = _embed(cfg, tokens, pos)
   if cfg.pattern:
-    x, cache = _stack(cfg, ys_by_kind=True).scan(x, st.per_kind(cache), pos)
+    x, cache = _stack(cfg, ys_by_kind=True).scan(
+        x, st.per_kind(cache, in_place=in_place), pos)
   else:
-    x, cache = _stack(cfg).scan(x, st.per_layer(cache), pos)
+    x, cache = _stack(cfg).scan(x, st.per_layer(cache, in_place=in_place), pos)
   return _head(cfg, x), cache
 
 
