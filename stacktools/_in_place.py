@@ -205,16 +205,19 @@ def write_rows(whole: PyTree, rows: np.ndarray, writes: Sequence[Write]) -> PyTr
   rows = np.asarray(rows, np.int32)
 
   def one_row(j, whole):
-    row = rows[j]
+    row = rows[j] if isinstance(j, int) else jnp.asarray(rows)[j]
     for update, start in writes:
       index = (row,) + _starts(start[j])
       whole = jax.tree_util.tree_map(
           lambda w, u: lax.dynamic_update_slice(w, u[j][None], index), whole, update)  # pylint: disable=cell-var-from-loop
     return whole
 
-  for j in range(len(rows)):
-    whole = one_row(j, whole)
-  return whole
+  if len(rows) == 1:
+    return one_row(0, whole)
+  # A loop rather than one update per row: under jax.grad, XLA copies the
+  # whole array for each of a chain of updates (the transposed chain reads
+  # and writes the same cotangent), but not inside a loop.
+  return lax.fori_loop(0, len(rows), one_row, whole)
 
 
 def fill(ys: PyTree, wholes: Mapping[str, PyTree]) -> PyTree:
