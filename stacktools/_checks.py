@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -176,6 +177,12 @@ def check_layer_drop(layer_drop: Any, num_layers: int) -> Optional[Any]:
                      f"(a rate of 1 would scale the kept update by 1/0). {fix}")
   rates = np.broadcast_to(rates, (num_layers,)).copy()
   return rates if rates.any() else None
+
+
+def check_in_place(in_place: Any, owner: str) -> None:
+  """``in_place=`` of ``st.per_layer``/``st.per_kind``: a bool."""
+  if not isinstance(in_place, (bool, np.bool_)):
+    raise TypeError(f"{owner}: in_place={in_place!r} must be True or False.")
 
 
 def check_length(length: Any) -> int:

@@ -47,9 +47,10 @@ class PerKind:
   """Arguments given per kind; see :func:`per_kind`."""
 
   value: Mapping[str, PyTree]
+  in_place: bool = False
 
 
-def per_kind(trees: Mapping[str, PyTree]) -> PerKind:
+def per_kind(trees: Mapping[str, PyTree], *, in_place: bool = False) -> PerKind:
   """Marks an argument of a mixed-layer stack's ``fold``/``scan`` as per kind.
 
   ``trees[kind]`` has a leading axis of that kind's layer count, in layer
@@ -66,15 +67,24 @@ def per_kind(trees: Mapping[str, PyTree]) -> PerKind:
               "global": global_caches}   # leading axis 4
     x, new_caches = blocks.scan(x, st.per_kind(caches))
 
+  ``in_place=True`` gives each layer a view of its row to read and write, as
+  :func:`per_layer` does; a block that returns the view gets its kind's
+  whole tree back, updated in place (with ``ys_by_kind=True``,
+  ``{kind: tree}`` as it was given)::
+
+    x, caches = blocks.scan(x, st.per_kind(caches, in_place=True), pos)
+
   Args:
     trees: a mapping from each kind to a pytree of arrays.
+    in_place: give each layer a view of its row (see :func:`per_layer`).
 
   Returns:
     A marker that the stack unwraps.
   """
+  _checks.check_in_place(in_place, "st.per_kind")
   if isinstance(trees, PerKind):
-    return trees
-  return PerKind(trees)
+    return trees if not in_place else PerKind(trees.value, True)
+  return PerKind(trees, in_place)
 
 
 class Run(NamedTuple):
@@ -157,6 +167,10 @@ class Pattern:
   def rank(self, layer: int) -> int:
     """The layer's index among its kind's layers."""
     return int(self._ranks[layer])
+
+  def rank_at(self, layer: jax.Array) -> jax.Array:
+    """:meth:`rank` of a traced layer index (int32)."""
+    return jnp.asarray(self._ranks, jnp.int32)[layer]
 
   @property
   def names(self) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from stacktools import _checks
+from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
@@ -56,28 +57,49 @@ class PerLayer:
   """An argument to slice along its leading (Layers) axis; see :func:`per_layer`."""
 
   value: PyTree
+  in_place: bool = False
 
 
-def per_layer(tree: PyTree) -> PerLayer:
+def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
   """Marks an argument of ``Stacked.fold``/``scan`` to be sliced per layer.
 
   Every leaf of ``tree`` must have a leading axis of ``num_layers``; layer
   ``i`` receives ``tree`` with every leaf indexed at ``i``. Arguments that are
   not marked are given whole to every layer.
 
+  With ``in_place=True`` layer ``i`` receives a view of its row instead
+  (``view.read()``, ``view = view.write(update, at=...)``); a scan block
+  returns the view among its outputs, and the stack returns the whole array
+  there with every layer's writes applied in place: no slice is copied out
+  and no new ``[num_layers, ...]`` array is stacked, so a KV cache given to a
+  ``jax.jit`` with ``donate_argnums`` is updated where it lies. Use it when
+  a layer changes a few positions of its row (a decode step); use the plain
+  form when a layer replaces its row, or when the old array must survive.
+
   Example::
 
     x, new_cache = blocks.scan(x, mask, st.per_layer(kv_cache))
 
+    class Block(hk.Module):          # the in-place form
+      def __call__(self, x, cache, pos):
+        k, v = project(x)            # [B, 1, H, D]
+        cache = cache.write({"k": k, "v": v}, at=(0, pos))
+        return x + attend(x, cache.read()), cache
+
+    x, kv_cache = blocks.scan(x, st.per_layer(kv_cache, in_place=True), pos)
+
   Args:
     tree: a pytree of arrays with a leading ``num_layers`` axis.
+    in_place: give each layer a view of its row that it reads and writes
+      (see above), rather than a slice.
 
   Returns:
     A marker that the stack unwraps.
   """
+  _checks.check_in_place(in_place, "st.per_layer")
   if isinstance(tree, PerLayer):
-    return tree
-  return PerLayer(tree)
+    return tree if not in_place else PerLayer(tree.value, True)
+  return PerLayer(tree, in_place)
 
 
 _local = threading.local()
@@ -136,50 +158,149 @@ class BlockArguments:
   """Splits a call's arguments into broadcast, per-layer and per-kind ones.
 
   ``sliced`` holds the per-layer ones (layer order); ``by_kind`` the
-  :func:`per_kind` ones of a mixed-layer stack (``{kind: tree}``).
+  :func:`per_kind` ones of a mixed-layer stack (``{kind: tree}``);
+  ``in_place`` those marked ``in_place=True`` (either), which are never
+  sliced: :meth:`bind` gives each layer a :class:`LayerView` of its row.
   """
 
   def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any],
                num_layers: int, pattern: Optional[_kinds.Pattern] = None):
     self._args = tuple(args)
     self._kwargs = dict(kwargs)
+    self._pattern = pattern
     self.sliced: dict[str, PyTree] = {}
     self.by_kind: dict[str, Mapping[str, PyTree]] = {}
+    self.in_place: dict[str, InPlaceArgument] = {}
+    # The views the last bind gave a layer: {key: (view, kind or None)}.
+    self.views: dict[str, tuple[_in_place.LayerView, Optional[str]]] = {}
     marked = [(f"arg{i}", a) for i, a in enumerate(self._args)]
     marked += [(f"kw_{k}", a) for k, a in self._kwargs.items()]
     for key, arg in marked:
       label = (f"positional argument {key[3:]}" if key.startswith("arg")
                else f"keyword argument {key[3:]!r}")
       if isinstance(arg, PerLayer):
-        self.sliced[key] = arg.value
         _checks.check_leading_axis(arg.value, num_layers,
                                    f"{_checks.where()}per_layer {label}")
+        if arg.in_place:
+          self.in_place[key] = InPlaceArgument(
+              arg.value, f"{_checks.where()}per_layer(in_place=True) {label}", False)
+        else:
+          self.sliced[key] = arg.value
       elif isinstance(arg, _kinds.PerKind):
         if pattern is None:
           raise TypeError(
               f"{_checks.where()}st.per_kind marks {label} per kind of a pattern, but "
               "this stack has no pattern=; use st.per_layer for a per-layer "
               "input of a stack of one block.")
-        self.by_kind[key] = arg.value
         _kinds.check_per_kind(arg.value, pattern.counts,
                               f"{_checks.where()}per_kind {label}")
+        if arg.in_place:
+          self.in_place[key] = InPlaceArgument(
+              arg.value, f"{_checks.where()}per_kind(in_place=True) {label}", True)
+        else:
+          self.by_kind[key] = arg.value
 
-  def bind(self, sliced: Mapping[str, PyTree]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call's arguments with per-layer ones replaced by one layer's slice."""
+  def bind(self, sliced: Mapping[str, PyTree],
+           kind: Optional[str] = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with per-layer ones replaced by one layer's slice.
+
+    In-place ones become a view of the row of the layer being applied
+    (:func:`layer_index`; for a per-kind one, the layer's rank in ``kind``),
+    or of the one row ``sliced`` holds under their key (:meth:`rows`).
+    """
+    layer = dict(sliced)
+    self.views = {}
+    for key, arg in self.in_place.items():
+      if key in layer:
+        whole, row = layer[key], 0
+      elif arg.per_kind:
+        whole, row = arg.value[kind], self._pattern.rank_at(layer_index())
+      else:
+        whole, row = arg.value, layer_index()
+      view = _in_place.LayerView(whole, row, _in_place.Lineage(arg.label))
+      self.views[key] = (view, kind if arg.per_kind else None)
+      layer[key] = view
     marker = (PerLayer, _kinds.PerKind)
-    args = tuple(sliced[f"arg{i}"] if isinstance(a, marker) else a
+    args = tuple(layer[f"arg{i}"] if isinstance(a, marker) else a
                  for i, a in enumerate(self._args))
-    kwargs = {k: sliced[f"kw_{k}"] if isinstance(a, marker) else a
+    kwargs = {k: layer[f"kw_{k}"] if isinstance(a, marker) else a
               for k, a in self._kwargs.items()}
     return args, kwargs
 
+  # A stack applies the layers' writes after its loop (:meth:`written`), or
+  # layer by layer (:meth:`rows` then :meth:`write`): each layer's row read
+  # from the array the previous layer's writes went into, so that a program
+  # without a loop orders every read before the write that follows it, and
+  # XLA updates the array in place rather than copying it.
 
-def make_inner(block_call: Callable[..., Any],
-               arguments: BlockArguments) -> hk.TransformedWithState:
-  """The inner transform: one layer, ``(x, sliced) -> block output``."""
+  def _row(self, key: str, kind: str, layer: int) -> tuple[bool, int]:
+    per_kind = self.in_place[key].per_kind
+    rank = self._pattern.rank(layer) if self._pattern is not None else layer
+    return per_kind, (rank if per_kind else layer)
+
+  def rows(self, wholes: Mapping[str, PyTree], kind: str, layer: int) -> dict[str, PyTree]:
+    """Each in-place argument's row of ``layer`` in ``wholes``, leading axis 1."""
+    out = {}
+    for key in self.in_place:
+      per_kind, row = self._row(key, kind, layer)
+      tree = wholes[key][kind] if per_kind else wholes[key]
+      out[key] = jax.tree_util.tree_map(lambda a: a[row:row + 1], tree)  # pylint: disable=cell-var-from-loop
+    return out
+
+  def write(self, wholes: dict[str, PyTree], kind: str, layer: int,
+            writes: Mapping[str, Sequence[Any]]) -> dict[str, PyTree]:
+    """``wholes`` with one layer's writes applied at its rows."""
+    wholes = dict(wholes)
+    for key, layer_writes in writes.items():
+      per_kind, row = self._row(key, kind, layer)
+      stacked = jax.tree_util.tree_map(lambda a: a[None], layer_writes)
+      if per_kind:
+        wholes[key] = {**wholes[key], kind: _in_place.write_rows(
+            wholes[key][kind], [row], stacked)}
+      else:
+        wholes[key] = _in_place.write_rows(wholes[key], [row], stacked)
+    return wholes
+
+  def written(self, writes: Mapping[str, Mapping[str, Sequence[Any]]],
+              pattern: _kinds.Pattern) -> dict[str, PyTree]:
+    """Every in-place argument with the layers' writes applied.
+
+    Args:
+      writes: each kind's writes by argument key, in kind order (a leading
+        axis of the kind's count).
+      pattern: the layout.
+
+    Returns:
+      ``{key: tree}`` (a per-kind argument's tree is ``{kind: tree}``).
+    """
+    out = {}
+    for key, arg in self.in_place.items():
+      if arg.per_kind:   # a kind's rows are its ranks
+        out[key] = {kind: _in_place.write_rows(tree, np.arange(pattern.counts[kind]),
+                                               writes[kind][key])
+                    if kind in writes else tree for kind, tree in arg.value.items()}
+      else:              # a kind's rows are its layers
+        whole = arg.value
+        for kind in pattern.names:
+          whole = _in_place.write_rows(whole, pattern.layer_ids(kind), writes[kind][key])
+        out[key] = whole
+    return out
+
+
+class InPlaceArgument(NamedTuple):
+  """An argument marked ``in_place=True``: its whole tree, and how to name it."""
+
+  value: PyTree        # [num_layers, ...], or {kind: [count, ...]} per kind
+  label: str
+  per_kind: bool
+
+
+def make_inner(block_call: Callable[..., Any], arguments: BlockArguments,
+               kind: Optional[str] = None) -> hk.TransformedWithState:
+  """The inner transform: one layer (of ``kind``), ``(x, sliced) -> block output``."""
 
   def one_layer(x, sliced):
-    args, kwargs = arguments.bind(sliced)
+    args, kwargs = arguments.bind(sliced, kind)
     return block_call(x, *args, **kwargs)
 
   return hk.transform_with_state(one_layer)
@@ -253,16 +374,26 @@ class LayerResult(NamedTuple):
 
   y: PyTree            # the block's per-layer output (None for a fold)
   state: PyTree        # the layer's new Haiku state
+  writes: PyTree = None  # {key: writes} to each in-place argument's row
 
 
 def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
-                mode: str) -> tuple[PyTree, LayerResult]:
-  """Applies one layer to the carry: the body of every stack's loop."""
+                mode: str, arguments: Optional[BlockArguments] = None
+                ) -> tuple[PyTree, LayerResult]:
+  """Applies one layer to the carry: the body of every stack's loop.
+
+  With in-place ``arguments``, the views the block returns become
+  :class:`stacktools._in_place.Written` markers in ``y`` and their writes
+  come back in the result's ``writes``.
+  """
   with at_layer(layer.index):
     out, new_state = inner.apply(layer.params, layer.state, layer.rng, x,
                                  layer.sliced)
   new_x, y = _checks.split_block_output(out, x, mode)
-  return new_x, LayerResult(y, new_state)
+  writes = None
+  if arguments is not None and arguments.in_place:
+    y, writes = _in_place.settle(y, arguments.views, mode)
+  return new_x, LayerResult(y, new_state, writes)
 
 
 # ---------------------------------------------------------------------------
@@ -310,7 +441,14 @@ def droppable(step: Callable[..., Any], rates: Optional[np.ndarray]) -> Callable
       new_x, result = step(x, layer)
       return jax.tree_util.tree_map(lambda a, b: _kept(a, b, rate), x, new_x), result
 
-    y_shapes = jax.eval_shape(keep, x, layer)[1].y
+    kept_shapes = jax.eval_shape(keep, x, layer)[1]
+    if kept_shapes.writes is not None:
+      # A dropped layer would have to write its rows unchanged; not built yet.
+      raise ValueError(
+          f"{_checks.where()}layer_drop= cannot be combined with in_place=True "
+          "arguments yet: pass the cache as st.per_layer(cache) (xs/ys) with "
+          "layer_drop=, or drop layer_drop= when decoding.")
+    y_shapes = kept_shapes.y
     for path, leaf in jax.tree_util.tree_flatten_with_path(y_shapes)[0]:
       if not (jax.numpy.issubdtype(leaf.dtype, jax.numpy.number)
               or jax.numpy.issubdtype(leaf.dtype, jax.numpy.bool_)):
@@ -451,7 +589,7 @@ class StackModule(hk.Module):
                         "the arguments after it can be.")
       arguments = BlockArguments(args, kwargs, self.num_layers, self.pattern)
       if self.pattern is not None:   # one inner transform per kind
-        inners = {name: make_inner(self.pattern.block_call(name, mode), arguments)
+        inners = {name: make_inner(self.pattern.block_call(name, mode), arguments, name)
                   for name in self.pattern.names}
         return self.run_layers(inners, x, arguments, self.pattern, mode)
 

@@ -21,6 +21,7 @@ import haiku as hk
 import jax.numpy as jnp
 
 from stacktools import _checks
+from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import _layers
 from stacktools import policy as policy_lib
@@ -32,7 +33,8 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy, rates):
+  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy,
+               rates, arguments):
     def init(key, x, sliced):
       with _layers.at_layer(index):
         return inner.init(key, x, sliced)
@@ -42,7 +44,8 @@ class _Layer(hk.Module):
     params, state = params_and_state(init_key, x, sliced)
 
     def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode)
+      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode,
+                                              arguments=arguments)
       _checks.check_carry(carry, new_carry)
       return new_carry, result
 
@@ -51,7 +54,7 @@ class _Layer(hk.Module):
     x, result = policy.checkpoint_step(_layers.droppable(step, rates),
                                        looped=False)(x, layer)
     updater.update(result.state)
-    return x, result.y
+    return x, result.y, result.writes
 
 
 class BlockSeq(_layers.StackModule):
@@ -115,16 +118,24 @@ class BlockSeq(_layers.StackModule):
         reverse=self.reverse, init=hk.running_init(),
         tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
     ys = [None] * n
+    wholes = {key: arg.value for key, arg in arguments.in_place.items()}
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
       for i in (reversed(layers) if self.reverse else layers):
         kind = pattern.kind_of(i)
-        x, ys[i] = _Layer(name=f"layer_{i}")(
-            inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
+        sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, i)
+        # An in-place argument's row is read before the layer and written
+        # after it, outside its checkpoint, which then keeps only the row.
+        sliced.update(arguments.rows(wholes, kind, i))
+        x, ys[i], writes = _Layer(name=f"layer_{i}")(
+            inners[kind], x, sliced,
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], mode=mode,
-            policy=segment.steps[kind].outside_loop(), rates=rates)
+            policy=segment.steps[kind].outside_loop(), rates=rates,
+            arguments=arguments)
+        if wholes:
+          wholes = arguments.write(wholes, kind, i, writes)
     if mode == "fold":
       return x, None
-    return x, pattern.collect(ys)
+    return x, _in_place.fill(pattern.collect(ys), wholes)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stacktools import _checks
+from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import _layers
 from stacktools import loops
@@ -86,7 +87,8 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
 
   def step_of(kind):
     def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inners[kind], carry, layer, mode=mode)
+      new_carry, result = _layers.apply_layer(inners[kind], carry, layer, mode=mode,
+                                              arguments=arguments)
       _checks.check_carry(carry, new_carry)
       return new_carry, result
     return step
@@ -99,6 +101,10 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   stages = pipeline.stages() if pipeline is not None else 1
   if stages > 1 and not hk.running_init():
     pipeline.check(n, stages)
+    for arg in list(arguments.in_place.values())[:1]:
+      raise ValueError(
+          f"{arg.label} cannot be pipelined: each stage holds only its own "
+          "layers' rows. Pass it without in_place=True, or run without a pipeline.")
     if len(plan.segments) > 1:
       raise ValueError(
           f"{_checks.where()}a pipelined stack runs every stage with one "
@@ -117,7 +123,11 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
     updaters[kind].update(results[kind].state)
   if mode == "fold":
     return x, None
-  return x, pattern.outputs({k: r.y for k, r in results.items()})
+  ys = pattern.outputs({k: r.y for k, r in results.items()})
+  if arguments.in_place:   # the layers' writes, in place after the loop
+    ys = _in_place.fill(ys, arguments.written(
+        {k: r.writes for k, r in results.items()}, pattern))
+  return x, ys
 
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
+from benchmarks import decode  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
@@ -332,3 +333,27 @@ def test_shared_modules_import_one_way():
   assert _benchmark_imports("instruments") == set()
   assert _benchmark_imports("models") == set()
   assert _benchmark_imports("contenders") == {"models"}
+
+
+def test_decode_quick(tmp_path):
+  result = _run(decode, tmp_path)
+  rows = result["measurements"]
+  assert {(r["batch"], r["seq_len"]) for r in rows} == {(1, 32), (2, 32), (1, 64), (2, 64)}
+  for row in rows:
+    for name in decode.CONTENDERS:
+      assert _positive_number(row[f"{name}_ms"]), (name, row)
+    # The in-place and sliced forms decode the same logits.
+    assert row["in_place_vs_sliced_max_abs_diff"] < 1e-5, row
+    for name in decode.CACHED:
+      memory = row["memory"][name]
+      assert memory["alias_bytes"] >= row["cache_bytes"], (name, row)   # donated
+    # The sliced form stacks a second cache; the in-place one does not.
+    assert (row["memory"]["sliced"]["temp_bytes"] - row["memory"]["in_place"]["temp_bytes"]
+            >= 0.9 * row["cache_bytes"]), row
+  summary = result["summary"]
+  assert summary["seq_len"] == 64 and set(summary["by_batch"]) == {"1", "2"}
+  assert set(summary["goals"]) == {
+      "in_place_within_2x_floor", "8x_faster_than_sliced_at_largest_batch",
+      "scanned_within_1.15x_of_unrolled", "temp_at_most_0.15x_cache",
+      "peak_growth_at_most_1.2x_cache_growth"}
+  assert _positive_number(result["peak"]["peak_growth_over_cache_growth"])

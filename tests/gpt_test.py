@@ -782,9 +782,9 @@ def test_kv_cache_decode_matches_forward(stack, block):
   np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=1e-5)
   # The cache holds every layer's keys at the positions decoded, zeros after.
   keys = np.asarray(cache["k"])
-  assert keys.shape == (NUM_LAYERS, batch, cfg.seq_len, 2, 8)
-  assert not np.any(keys[:, :, length:])
-  assert np.all(np.any(keys[:, :, :length] != 0, axis=(-1, -2)))
+  assert keys.shape == (NUM_LAYERS, batch, 2, cfg.seq_len, 8)   # [L, B, H, T, D]
+  assert not np.any(keys[:, :, :, length:])
+  assert np.all(np.any(keys[:, :, :, :length] != 0, axis=(2, 4)))
   assert not np.allclose(keys[0], keys[1])  # the layers differ
 
 

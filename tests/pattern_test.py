@@ -413,8 +413,8 @@ def test_gpt_pattern_decoding_matches_forward():
   assert {k.split("/")[1] for k in params if k.startswith("h/")} == {"local", "global"}
   cache = gpt.init_cache(cfg, 2)
   assert jax.tree.map(jnp.shape, cache) == {
-      "local": {"k": (4, 2, 3, 2, 4), "v": (4, 2, 3, 2, 4)},
-      "global": {"k": (1, 2, 12, 2, 4), "v": (1, 2, 12, 2, 4)}}
+      "local": {"k": (4, 2, 2, 3, 4), "v": (4, 2, 2, 3, 4)},
+      "global": {"k": (1, 2, 2, 12, 4), "v": (1, 2, 2, 12, 4)}}
 
   full = _jit(fwd.apply, params, tokens)
   logits, cache = _jit(dec.apply, params, tokens[:, :5], cache, 0)  # a prefill > window

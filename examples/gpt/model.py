@@ -162,12 +162,17 @@ class CausalSelfAttention(hk.Module):
     self.cfg = cfg
     self.window = window
 
-  def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
+  def __call__(self, x: jax.Array, cache: Any = None,
                pos: Optional[jax.Array] = None):
     """Attends over ``x`` (``[B, T, D]``), or over ``cache`` plus ``x``.
 
+    ``cache`` is one layer's ``{"k", "v"}`` (``[B, heads, length,
+    head_dim]``), or the view of its row that ``st.per_layer(...,
+    in_place=True)`` gives.
+
     Returns:
-      ``(out, probs, new_cache)``; ``new_cache`` is ``None`` without a cache.
+      ``(out, probs, new_cache)``; ``new_cache`` is ``None`` without a cache,
+      and ``probs`` is ``None`` with one.
     """
     cfg = self.cfg
     b, t, _ = x.shape
@@ -175,52 +180,87 @@ class CausalSelfAttention(hk.Module):
     qkv = st.checkpoint_name(
         Linear(3 * cfg.d_model, with_bias=cfg.bias, name="qkv")(x), "qkv")
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.num_heads, head_dim), 3, axis=2)
-    query_pos = jnp.arange(t)
-    key_pos = jnp.arange(t)
-    new_cache = None
-    if cache is not None and self.window is not None:
-      k, v, key_pos, new_cache = self._ring(cache, k, v, pos)
-      query_pos = query_pos + pos
-    elif cache is not None:
-      # The new keys and values go in at ``pos``; queries attend to every
-      # cached position up to their own.
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype),
-                                       (0, pos, 0, 0))
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype),
-                                       (0, pos, 0, 0))
-      new_cache = {"k": k, "v": v}
-      query_pos = query_pos + pos
-      key_pos = jnp.arange(k.shape[1])
-    mask = key_pos[None, :] <= query_pos[:, None]
-    if self.window is not None:
-      mask &= key_pos[None, :] > query_pos[:, None] - self.window
     # Scaling the queries touches half the elements that scaling the
     # scores would (T = 2 * head_dim here); with the mask added as a bias the
     # step took 0.96x the time of scaling and masking the scores.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q * (1 / head_dim**0.5), k)
+    q = q * (1 / head_dim**0.5)
+    if cache is not None:
+      out, new_cache = self._cached(q, k, v, cache, pos)
+      out = Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out.reshape(b, t, cfg.d_model))
+      return out, None, new_cache
+    mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     scores = st.checkpoint_name(
         scores + jnp.where(mask, 0.0, jnp.finfo(scores.dtype).min), "attn_scores")
     probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
     out = st.checkpoint_name(
         jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.d_model), "attn_mix")
     out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out), "attn_out")
-    return out, probs, new_cache
+    return out, probs, None
 
-  def _ring(self, cache: Cache, k: jax.Array, v: jax.Array, pos: jax.Array):
-    """Keys and values to attend to (the ring, then the new ones), their
-    positions, and the ring with the newest ``window`` positions written."""
-    t, slots = k.shape[1], cache["k"].shape[1]
-    # Slot s holds the latest position before pos that is s modulo the ring's
-    # size; a negative one was never written and is masked out.
-    held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
-    key_pos = jnp.concatenate([jnp.where(held >= 0, held, -slots - 1), pos + jnp.arange(t)])
-    keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
-    values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
+  def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
+              pos: jax.Array) -> tuple[jax.Array, Any]:
+    """``t`` new positions from ``pos`` attend to the cache and to themselves.
+
+    The cache is read as it was and the new keys and values are attended to
+    beside it (one softmax over both), so no layer copies its cache to add
+    them; they are then written at ``pos`` (a ring: at ``pos % window``).
+
+    Returns:
+      ``(out [B, t, heads, head_dim], new_cache)``.
+    """
+    old = cache if isinstance(cache, dict) else cache.read()
+    dtype = old["k"].dtype
+    # [B, t, H, D] -> [B, H, t, D], the cache's layout: a dot over head_dim
+    # then reads the cache as it lies.
+    q, k, v = (a.swapaxes(1, 2).astype(dtype) for a in (q, k, v))
+    t, slots = q.shape[2], old["k"].shape[2]
+    query_pos = pos + jnp.arange(t)
+    if self.window is None:   # position s in slot s, written if before pos
+      held = jnp.where(jnp.arange(slots) < pos, jnp.arange(slots), -1)
+    else:   # slot s: the latest position before pos that is s modulo slots
+      held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
+    neg = jnp.finfo(dtype).min
+    scores = jnp.concatenate([
+        jnp.einsum("bhqd,bhkd->bhqk", q, old["k"])
+        + jnp.where(_visible(query_pos, held, self.window), 0.0, neg),
+        jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        + jnp.where(_visible(query_pos, query_pos, self.window), 0.0, neg)], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = (jnp.einsum("bhqk,bhkd->bhqd", probs[..., :slots], old["v"])
+           + jnp.einsum("bhqk,bhkd->bhqd", probs[..., slots:], v)).swapaxes(1, 2)
+    new = {"k": k, "v": v}
+    if self.window is None:
+      return out, _write(cache, new, pos)
     newest = min(t, slots)          # only the last ``slots`` new ones survive
+    if newest == 1:
+      return out, _write(cache, new, pos % slots)
     where = (pos + t - newest + jnp.arange(newest)) % slots
-    new_cache = {"k": cache["k"].at[:, where].set(k[:, t - newest:].astype(cache["k"].dtype)),
-                 "v": cache["v"].at[:, where].set(v[:, t - newest:].astype(cache["v"].dtype))}
-    return keys, values, key_pos, new_cache
+    ring = {name: old[name].at[:, :, where].set(new[name][:, :, t - newest:])
+            for name in new}
+    return out, ring if isinstance(cache, dict) else cache.write(ring)
+
+
+def _visible(query_pos: jax.Array, key_pos: jax.Array,
+             window: Optional[int]) -> jax.Array:
+  """``[queries, keys]``: which keys each query attends to (causal, within
+  ``window`` when given; a negative key position was never written)."""
+  mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= 0)
+  if window is not None:
+    mask &= key_pos[None, :] > query_pos[:, None] - window
+  return mask
+
+
+def _write(cache: Any, kv: Cache, at: jax.Array) -> Any:
+  """``kv`` (``[B, H, t, D]`` each) written at position ``at`` of a layer's cache.
+
+  A new slice with ``st.per_layer(cache)``; with ``in_place=True``, the view
+  the block was handed, with only the new positions written.
+  """
+  if isinstance(cache, dict):
+    return {name: jax.lax.dynamic_update_slice(cache[name], kv[name], (0, 0, at, 0))
+            for name in kv}
+  return cache.write(kv, at=(0, 0, at))
 
 
 class Block(hk.Module):
@@ -236,7 +276,7 @@ class Block(hk.Module):
     self.cfg = cfg
     self.window = window
 
-  def __call__(self, x: jax.Array, cache: Optional[Cache] = None,
+  def __call__(self, x: jax.Array, cache: Any = None,
                pos: Optional[jax.Array] = None):
     cfg = self.cfg
     x_in = x
@@ -332,14 +372,17 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
 
 
 def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
-  """An empty KV cache: ``[num_layers, B, seq_len, heads, head_dim]`` each.
+  """An empty KV cache: ``[num_layers, B, heads, seq_len, head_dim]`` each.
+
+  Heads before positions: a decode step's dot over ``head_dim`` then reads
+  each layer's cache in place, with no transposed copy.
 
   With a pattern, one per kind: ``{"local": ..., "global": ...}``, a local
   layer's ``window`` positions long (a ring), a global layer's ``seq_len``;
   the leading axis is the kind's count.
   """
   def zeros(layers, length):
-    shape = (layers, batch_size, length, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    shape = (layers, batch_size, cfg.num_heads, length, cfg.d_model // cfg.num_heads)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
   if not cfg.pattern:
@@ -350,28 +393,33 @@ def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
 
 
 def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
-           pos: jax.Array) -> tuple[jax.Array, Cache]:
+           pos: jax.Array, *, in_place: bool = True) -> tuple[jax.Array, Cache]:
   """Logits for ``tokens`` placed at ``pos``, attending to the cache.
 
   Call inside ``hk.transform`` (same parameters as :func:`forward`). The
-  cache goes into the stack sliced per layer with ``st.per_layer`` (per kind
-  with ``st.per_kind`` for a pattern) and the updated cache comes back as
-  the stack's scan output, in the same layout.
+  cache goes into the stack as ``st.per_layer(cache, in_place=True)``
+  (``st.per_kind`` for a pattern): each layer writes its new keys and values
+  into its row of the whole cache, which comes back as the stack's scan
+  output, updated in place when the caller donates it. ``in_place=False``
+  slices the cache per layer and stacks every layer's new slice instead (a
+  second cache each step; what ``benchmarks/decode.py`` compares against).
 
   Args:
     cfg: the model config.
     tokens: ``[B, T]``: the prompt (prefill, ``pos=0``) or one new token.
     cache: from :func:`init_cache` or the previous call.
     pos: where ``tokens`` start.
+    in_place: the in-place form (above) or the sliced one.
 
   Returns:
     ``(logits [B, T, vocab], new_cache)``.
   """
   x = _embed(cfg, tokens, pos)
   if cfg.pattern:
-    x, cache = _stack(cfg, ys_by_kind=True).scan(x, st.per_kind(cache), pos)
+    x, cache = _stack(cfg, ys_by_kind=True).scan(
+        x, st.per_kind(cache, in_place=in_place), pos)
   else:
-    x, cache = _stack(cfg).scan(x, st.per_layer(cache), pos)
+    x, cache = _stack(cfg).scan(x, st.per_layer(cache, in_place=in_place), pos)
   return _head(cfg, x), cache
 
 

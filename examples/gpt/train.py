@@ -984,8 +984,8 @@ def finish(run: Run, params: Any) -> None:
     if prompt != _SAMPLE_PROMPT.value:
       logging.warning("--sample_prompt has characters outside the corpus; "
                       "sampling from %r instead.", prompt or dataset.chars[0])
-    text = sample_lib.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
-                               _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
+    (text,) = sample_lib.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
+                                  _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
 
 

@@ -1,0 +1,156 @@
+"""sample.py through the command line: greedy text against a full recompute.
+
+Checkpoints of random parameters (no training: any parameters will do) are
+written for three models: a plain stack, an unrolled one (``st.BlockSeq``)
+and a mixed one whose local layers' window (3) is shorter than the text, so
+their ring caches wrap. For each, ``sample.py --temperature=0`` must print
+what a full recompute of the prefix picks at every step (nanoGPT's
+``generate``: the forward pass over the whole text, its last logits'
+argmax), up to a near tie; ``--num_samples=4`` prints that text four times
+and ``--top_k=1`` at temperature 1 prints it too. Bad ``--num_samples`` and
+``--top_k`` stop with one line naming the flag.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gpt_driver
+from examples.gpt import checkpoint
+from examples.gpt import model as model_lib
+from examples.gpt import sample as sample_lib
+
+CHARS = "abcdefgh "
+PROMPT, NUM_TOKENS = "abc", 12     # 15 positions of 16: no refill
+MODELS = {
+    "plain": dict(),
+    "unrolled": dict(stack="unrolled"),
+    "mixed": dict(pattern="LG", window=3, num_layers=3),
+}
+
+
+def config(name):
+  return model_lib.GPTConfig(**{**dict(vocab_size=len(CHARS), seq_len=16, num_layers=2,
+                                       num_heads=2, d_model=16), **MODELS[name]})
+
+
+def random_params(cfg):
+  """Random parameters whose greedy text varies: the head is the token
+  embedding, transposed (random heads mostly repeat one character)."""
+  forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
+  shapes = jax.eval_shape(forward.init, jax.random.PRNGKey(0),
+                          jnp.zeros((1, cfg.seq_len), jnp.int32))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes)
+  params["head"] = {"w": params["tok_embed"]["embeddings"].T,
+                    "b": np.zeros(cfg.vocab_size, np.float32)}
+  return params
+
+
+def greedy_by_recompute(cfg, params):
+  """Each step: the forward pass over the whole text so far; its argmax.
+
+  Returns the text and, per step, the gap between the two likeliest
+  characters (a near tie may go either way in another summation order).
+  """
+  forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)[0]))
+  logits_of = jax.jit(forward.apply)
+  ids = [CHARS.index(c) for c in PROMPT]
+  gaps = []
+  for _ in range(NUM_TOKENS):
+    padded = np.zeros((1, cfg.seq_len), np.int32)   # causal: the padding is unseen
+    padded[0, :len(ids)] = ids
+    logits = np.asarray(logits_of(params, padded))[0, len(ids) - 1]
+    top = np.sort(logits)[-2:]
+    gaps.append(float(top[1] - top[0]))
+    ids.append(int(np.argmax(logits)))
+  return PROMPT + "".join(CHARS[i] for i in ids[len(PROMPT):]), gaps
+
+
+def assert_greedy(text, want, gaps):
+  assert len(text) == len(want), (text, want)
+  for j, (got_c, want_c) in enumerate(zip(text[len(PROMPT):], want[len(PROMPT):])):
+    if got_c != want_c:   # only a near tie may differ; the rest follows from it
+      assert gaps[j] < 1e-4, (j, text, want, gaps[j])
+      return
+
+
+def cli(*args):
+  return subprocess.Popen([sys.executable, gpt_driver.SAMPLE, *args], cwd=gpt_driver.REPO,
+                          env=gpt_driver.xla_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc):
+  stdout, stderr = proc.communicate(timeout=300)
+  return proc.returncode, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+  """``{name: (workdir, cfg, params)}``: one checkpoint per model."""
+  out = {}
+  for name in MODELS:
+    cfg = config(name)
+    params = random_params(cfg)
+    workdir = str(tmp_path_factory.mktemp(name))
+    manager = checkpoint.Manager(workdir, keep=1, asynchronous=False)
+    meta = {"sampler_state": "{}", "chars": CHARS,
+            "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                       if f.name not in ("remat", "pipeline")}}
+    manager.save(1, params, {"count": np.zeros((), np.int32)}, meta)
+    manager.close()
+    out[name] = (workdir, cfg, params)
+  return out
+
+
+def test_greedy_cli_equals_full_recompute(workdirs):
+  common = [f"--prompt={PROMPT}", f"--num_tokens={NUM_TOKENS}"]
+  runs = {}
+  for name, (workdir, _, _) in workdirs.items():
+    runs[name, "greedy"] = cli(f"--workdir={workdir}", "--temperature=0", *common)
+    runs[name, "top_k=1"] = cli(f"--workdir={workdir}", "--temperature=1", "--top_k=1",
+                                "--seed=3", *common)
+  workdir = workdirs["mixed"][0]
+  runs["mixed", "four"] = cli(f"--workdir={workdir}", "--temperature=0",
+                              "--num_samples=4", *common)
+  runs["mixed", "sampled"] = cli(f"--workdir={workdir}", "--temperature=1",
+                                 "--num_samples=4", "--top_k=3", *common)
+  outputs = {}
+  for key, proc in runs.items():
+    rc, stdout, stderr = finish(proc)
+    assert rc == 0, (key, stderr)
+    outputs[key] = stdout
+  for name, (_, cfg, params) in workdirs.items():
+    want, gaps = greedy_by_recompute(cfg, params)
+    assert len(set(want[len(PROMPT):])) >= 2, want   # a text that varies
+    assert_greedy(outputs[name, "greedy"].rstrip("\n"), want, gaps)
+    assert outputs[name, "top_k=1"] == outputs[name, "greedy"], name
+  one = outputs["mixed", "greedy"].rstrip("\n")
+  assert outputs["mixed", "four"] == f"\n{sample_lib.SEPARATOR}\n".join([one] * 4) + "\n"
+  samples = outputs["mixed", "sampled"].rstrip("\n").split(f"\n{sample_lib.SEPARATOR}\n")
+  assert len(samples) == 4
+  for text in samples:
+    assert text.startswith(PROMPT) and len(text) == len(PROMPT) + NUM_TOKENS
+    assert set(text) <= set(CHARS)
+
+
+def test_bad_sampling_flags_stop_with_one_line(workdirs):
+  workdir = workdirs["plain"][0]
+  cases = [("--num_samples=0", "--num_samples"), ("--top_k=-1", "--top_k"),
+           (f"--top_k={len(CHARS) + 1}", f"--top_k={len(CHARS) + 1} is more than")]
+  procs = [(cli(f"--workdir={workdir}", flag), fragment) for flag, fragment in cases]
+  for proc, fragment in procs:
+    rc, stdout, stderr = finish(proc)
+    assert rc != 0 and not stdout
+    assert "Traceback" not in stderr, stderr
+    message = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+    assert len(message) == 1, stderr
+    assert fragment in message[0], message[0]
