@@ -387,8 +387,9 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
       first = jax.tree_util.tree_map(lambda b: b[m], buf)
       x_in = jax.tree_util.tree_map(lambda a, b: jnp.where(stage == 0, a, b),
                                     first, incoming)
-      x_out, (ys, new_state) = stage_chunk(
+      x_out, results = stage_chunk(
           x_in, local, jax.tree_util.tree_map(lambda a: a[r], state), r, m)
+      ys, new_state = results[0], results[1]   # a stage refuses in-place writes
       state = jax.tree_util.tree_map(
           lambda old, new: old.at[r].set(jnp.where(ok, new, old[r])), state, new_state)
       ys_buf = jax.tree_util.tree_map(

@@ -145,7 +145,9 @@ def test_remat_plan_quick(tmp_path):
       assert _positive_number(cand[key]), (cand["label"], key)
     assert len(cand["wall_s"]) == len(cand["cpu_s"]) == result["config"]["rounds"]
   temp = {c["label"]: c["temp_bytes"] for c in depth["candidates"]}
-  assert temp["full"] < temp["none:1,full:1"] < temp["none"]
+  # A mix pays a seam's copy of the per-layer inputs, which can put it above
+  # both of its policies now that none recomputes elementwise values.
+  assert temp["full"] < temp["none:1,full:1"] and temp["full"] < temp["none"], temp
   budgets = depth["budgets"]
   assert [b["fraction"] for b in budgets] == list(remat_plan.FRACTIONS)
   assert [b["budget_bytes"] for b in budgets] == sorted(b["budget_bytes"] for b in budgets)
