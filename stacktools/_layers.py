@@ -81,11 +81,13 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
     x, new_cache = blocks.scan(x, mask, st.per_layer(kv_cache))
 
     class Block(hk.Module):          # the in-place form
-      def __call__(self, x, cache, pos):
-        k, v = project(x)            # [B, 1, H, D]
-        cache = cache.write({"k": k, "v": v}, at=(0, pos))
-        return x + attend(x, cache.read()), cache
+      def __call__(self, x, cache, pos):               # x: [B, D]
+        cache = cache.write({"k": hk.Linear(x.shape[-1])(x)[:, None]},
+                            at=(0, pos))               # row: [B, T, D]
+        keys = cache.read()["k"]
+        return x + jnp.einsum("bd,btd->bd", x, keys), cache
 
+    blocks = st.Stacked(Block, num_layers=4, name="h")
     x, kv_cache = blocks.scan(x, st.per_layer(kv_cache, in_place=True), pos)
 
   Args:
