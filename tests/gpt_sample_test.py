@@ -14,7 +14,6 @@ sample runs it.
 """
 
 import dataclasses
-import os
 import subprocess
 import sys
 
