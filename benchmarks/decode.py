@@ -22,7 +22,7 @@ memory with the cache donated, and how the peak (arguments + outputs -
 aliased + temp) of ``in_place`` grows from batch 1 to batch 16, against the
 cache's own growth.
 
-  python benchmarks/decode.py            # full run, a few minutes on 2 cores
+  python benchmarks/decode.py            # full run, about 4 minutes on 2 cores
   python benchmarks/decode.py --quick    # seconds (the smoke test)
 
 The default run measures T = 256 and 1024 to stay within a few minutes on 2

@@ -81,11 +81,13 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
     x, new_cache = blocks.scan(x, mask, st.per_layer(kv_cache))
 
     class Block(hk.Module):          # the in-place form
-      def __call__(self, x, cache, pos):
-        k, v = project(x)            # [B, 1, H, D]
-        cache = cache.write({"k": k, "v": v}, at=(0, pos))
-        return x + attend(x, cache.read()), cache
+      def __call__(self, x, cache, pos):               # x: [B, D]
+        cache = cache.write({"k": hk.Linear(x.shape[-1])(x)[:, None]},
+                            at=(0, pos))               # row: [B, T, D]
+        keys = cache.read()["k"]
+        return x + jnp.einsum("bd,btd->bd", x, keys), cache
 
+    blocks = st.Stacked(Block, num_layers=4, name="h")
     x, kv_cache = blocks.scan(x, st.per_layer(kv_cache, in_place=True), pos)
 
   Args:
@@ -205,15 +207,12 @@ class BlockArguments:
     """The call's arguments with per-layer ones replaced by one layer's slice.
 
     In-place ones become a view of the row of the layer being applied
-    (:func:`layer_index`; for a per-kind one, the layer's rank in ``kind``),
-    or of the one row ``sliced`` holds under their key (:meth:`rows`).
+    (:func:`layer_index`; for a per-kind one, the layer's rank in ``kind``).
     """
     layer = dict(sliced)
     self.views = {}
     for key, arg in self.in_place.items():
-      if key in layer:
-        whole, row = layer[key], 0
-      elif arg.per_kind:
+      if arg.per_kind:
         whole, row = arg.value[kind], self._pattern.rank_at(layer_index())
       else:
         whole, row = arg.value, layer_index()
@@ -226,40 +225,6 @@ class BlockArguments:
     kwargs = {k: layer[f"kw_{k}"] if isinstance(a, marker) else a
               for k, a in self._kwargs.items()}
     return args, kwargs
-
-  # A stack applies the layers' writes after its loop (:meth:`written`), or
-  # layer by layer (:meth:`rows` then :meth:`write`): each layer's row read
-  # from the array the previous layer's writes went into, so that a program
-  # without a loop orders every read before the write that follows it, and
-  # XLA updates the array in place rather than copying it.
-
-  def _row(self, key: str, kind: str, layer: int) -> tuple[bool, int]:
-    per_kind = self.in_place[key].per_kind
-    rank = self._pattern.rank(layer) if self._pattern is not None else layer
-    return per_kind, (rank if per_kind else layer)
-
-  def rows(self, wholes: Mapping[str, PyTree], kind: str, layer: int) -> dict[str, PyTree]:
-    """Each in-place argument's row of ``layer`` in ``wholes``, leading axis 1."""
-    out = {}
-    for key in self.in_place:
-      per_kind, row = self._row(key, kind, layer)
-      tree = wholes[key][kind] if per_kind else wholes[key]
-      out[key] = jax.tree_util.tree_map(lambda a: a[row:row + 1], tree)  # pylint: disable=cell-var-from-loop
-    return out
-
-  def write(self, wholes: dict[str, PyTree], kind: str, layer: int,
-            writes: Mapping[str, Sequence[Any]]) -> dict[str, PyTree]:
-    """``wholes`` with one layer's writes applied at its rows."""
-    wholes = dict(wholes)
-    for key, layer_writes in writes.items():
-      per_kind, row = self._row(key, kind, layer)
-      stacked = jax.tree_util.tree_map(lambda a: a[None], layer_writes)
-      if per_kind:
-        wholes[key] = {**wholes[key], kind: _in_place.write_rows(
-            wholes[key][kind], [row], stacked)}
-      else:
-        wholes[key] = _in_place.write_rows(wholes[key], [row], stacked)
-    return wholes
 
   def written(self, writes: Mapping[str, Mapping[str, Sequence[Any]]],
               pattern: _kinds.Pattern) -> dict[str, PyTree]:

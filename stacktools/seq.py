@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 
 from stacktools import _checks
@@ -117,25 +118,28 @@ class BlockSeq(_layers.StackModule):
         self.remat, n, kinds=pattern.names, period=pattern.period,
         reverse=self.reverse, init=hk.running_init(),
         tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
-    ys = [None] * n
-    wholes = {key: arg.value for key, arg in arguments.in_place.items()}
+    ys, writes = [None] * n, [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
       for i in (reversed(layers) if self.reverse else layers):
         kind = pattern.kind_of(i)
-        sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, i)
-        # An in-place argument's row is read before the layer and written
-        # after it, outside its checkpoint, which then keeps only the row.
-        sliced.update(arguments.rows(wholes, kind, i))
-        x, ys[i], writes = _Layer(name=f"layer_{i}")(
-            inners[kind], x, sliced,
+        x, ys[i], writes[i] = _Layer(name=f"layer_{i}")(
+            inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], mode=mode,
             policy=segment.steps[kind].outside_loop(), rates=rates,
             arguments=arguments)
-        if wholes:
-          wholes = arguments.write(wholes, kind, i, writes)
     if mode == "fold":
       return x, None
-    return x, _in_place.fill(pattern.collect(ys), wholes)
+    ys = pattern.collect(ys)
+    if arguments.in_place:
+      # Every layer read its row of the array it was given; the writes go in
+      # after the last layer, as in Stacked. (Written after each layer, into
+      # the array the next layer reads, XLA copied the whole array per layer:
+      # a layer's new keys need not wait for its read of the old ones.)
+      ys = _in_place.fill(ys, arguments.written(
+          {kind: jax.tree_util.tree_map(lambda *w: jnp.stack(w),
+                                        *[writes[i] for i in pattern.layer_ids(kind)])
+           for kind in pattern.names}, pattern))
+    return x, ys

@@ -8,11 +8,12 @@ what a full recompute of the prefix picks at every step (nanoGPT's
 ``generate``: the forward pass over the whole text, its last logits'
 argmax), up to a near tie; ``--num_samples=4`` prints that text four times
 and ``--top_k=1`` at temperature 1 prints it too. Bad ``--num_samples`` and
-``--top_k`` stop with one line naming the flag.
+``--top_k`` stop with one line naming the flag. The decode step also traces
+under a policy that keeps every named internal, as train.py's end-of-run
+sample runs it.
 """
 
 import dataclasses
-import os
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ import gpt_driver
 from examples.gpt import checkpoint
 from examples.gpt import model as model_lib
 from examples.gpt import sample as sample_lib
+import stacktools as st
 
 CHARS = "abcdefgh "
 PROMPT, NUM_TOKENS = "abc", 12     # 15 positions of 16: no refill
@@ -154,3 +156,18 @@ def test_bad_sampling_flags_stop_with_one_line(workdirs):
     message = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
     assert len(message) == 1, stderr
     assert fragment in message[0], message[0]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_traces_under_the_training_policy(name):
+  """train.py samples with its run's config, remat included: a policy that
+  keeps named internals must find every name in the decode step too."""
+  policy = st.CheckpointPolicy(save_block_internals=list(model_lib.CHECKPOINT_NAMES))
+  cfg = dataclasses.replace(config(name), remat=policy)
+  decode = hk.without_apply_rng(hk.transform(
+      lambda t, c, p: model_lib.decode(cfg, t, c, p)))
+  params = random_params(config(name))
+  cache = model_lib.init_cache(cfg, 2)
+  logits, new = jax.eval_shape(decode.apply, params, jnp.zeros((2, 1), jnp.int32), cache, 3)
+  assert logits.shape == (2, 1, cfg.vocab_size)
+  assert jax.tree.map(lambda a: a.shape, new) == jax.tree.map(lambda a: a.shape, cache)

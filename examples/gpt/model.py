@@ -13,8 +13,9 @@ The blocks come in two flavours, chosen by ``GPTConfig.block``:
   pipelined stack runs each microbatch of sequences on its own and puts the
   outputs back together along the batch axis.)
 
-The same block, given a per-layer KV cache through ``st.per_layer``, returns
-``(x, new_cache)``: that is how :func:`decode` generates token by token.
+The same block, given a per-layer KV cache through ``st.per_layer(cache,
+in_place=True)``, returns ``(x, cache)`` with its new keys and values written
+into its row: that is how :func:`decode` generates token by token.
 
 ``GPTConfig.pattern`` mixes two kinds of block in one stack (``st.Stacked``
 with ``pattern=``): ``L`` layers attend causally over the last ``window``
@@ -186,7 +187,9 @@ class CausalSelfAttention(hk.Module):
     q = q * (1 / head_dim**0.5)
     if cache is not None:
       out, new_cache = self._cached(q, k, v, cache, pos)
-      out = Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out.reshape(b, t, cfg.d_model))
+      out = st.checkpoint_name(out.reshape(b, t, cfg.d_model), "attn_mix")
+      out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out),
+                               "attn_out")
       return out, None, new_cache
     mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
@@ -221,12 +224,14 @@ class CausalSelfAttention(hk.Module):
     else:   # slot s: the latest position before pos that is s modulo slots
       held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
     neg = jnp.finfo(dtype).min
-    scores = jnp.concatenate([
+    # Tagged as in the forward pass: a policy that names them holds in decode.
+    scores = st.checkpoint_name(jnp.concatenate([
         jnp.einsum("bhqd,bhkd->bhqk", q, old["k"])
         + jnp.where(_visible(query_pos, held, self.window), 0.0, neg),
         jnp.einsum("bhqd,bhkd->bhqk", q, k)
-        + jnp.where(_visible(query_pos, query_pos, self.window), 0.0, neg)], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
+        + jnp.where(_visible(query_pos, query_pos, self.window), 0.0, neg)], axis=-1),
+                                "attn_scores")
+    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
     out = (jnp.einsum("bhqk,bhkd->bhqd", probs[..., :slots], old["v"])
            + jnp.einsum("bhqk,bhkd->bhqd", probs[..., slots:], v)).swapaxes(1, 2)
     new = {"k": k, "v": v}
