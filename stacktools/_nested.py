@@ -23,6 +23,7 @@ as for any ``jax.custom_vjp``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,10 @@ def scan(body: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], carry: PyTree,
     carry: the initial carry.
     xs: the inputs, every leaf leading with ``outer * inner + remainder``.
     split: ``(outer, inner, remainder)``: ``outer`` chunks of ``inner``
-      steps, then one chunk of ``remainder`` steps (none when 0).
+      steps, then one chunk of ``remainder`` steps (none when 0); or with
+      more levels, ``(outer, middle, inner, remainder)``: ``outer`` chunks
+      of ``middle`` chunks of ``inner`` steps. Each level keeps one carry
+      per chunk while it is differentiated.
     reverse: run from the last row of ``xs`` to the first.
     unroll: steps per rolled iteration of each inner loop.
 
@@ -101,12 +105,22 @@ def _ct_row(ct: Any, i: Any) -> Any:
 
 
 class _Loop:
-  """The chunks of one loop, in index space (``reverse`` runs them backwards)."""
+  """The chunks of one loop, in index space (``reverse`` runs them backwards).
+
+  ``levels`` are the chunk counts from the outermost level in, the last
+  being the steps of an innermost chunk; ``remainder`` steps follow the
+  chunks, as one more chunk of a single level.
+  """
 
   def __init__(self, body, split, reverse, unroll, xs, consts):
     self.body, self.reverse, self.unroll = body, reverse, unroll
-    self.outer, self.inner, self.remainder = split
+    self.levels, self.remainder = tuple(split[:-1]), split[-1]
     self.xs, self.consts = xs, consts
+
+  def _parts(self, main, rest, backward=False):
+    """``main`` and ``rest`` (the remainder, if any) in the order they run."""
+    parts = [main, rest] if self.remainder else [main]
+    return parts[::-1] if self.reverse != backward else parts
 
   def steps(self, carry, base, size, keep_carries):
     """Runs rows ``[base, base + size)``; ys, and each step's input carry."""
@@ -116,31 +130,46 @@ class _Loop:
     return lax.scan(step, carry, jnp.arange(size), reverse=self.reverse,
                     unroll=self.unroll)
 
-  def forward(self, carry):
-    """Every step; ``(carry, ys, each chunk's input carry)``."""
-    def main(c):
-      def chunk(c, k):
-        new_c, ys = self.steps(c, k * self.inner, self.inner, False)
-        return new_c, (c, ys)
-      c, (entry, ys) = lax.scan(chunk, c, jnp.arange(self.outer), reverse=self.reverse)
-      flat = jax.tree_util.tree_map(
-          lambda a: a.reshape((-1,) + a.shape[2:]), ys)
-      return c, (entry, flat)
+  def chunks(self, carry, base, levels, keep_ys):
+    """Runs ``levels[0]`` chunks of ``prod(levels[1:])`` steps from row ``base``.
 
-    def rest(c):
-      new_c, ys = self.steps(c, self.outer * self.inner, self.remainder, False)
-      return new_c, (c, ys)
+    Returns the carry, the ys (when ``keep_ys``) and each chunk's input carry.
+    """
+    size = math.prod(levels[1:])
 
-    parts = [main, rest] if self.remainder else [main]
-    results = [None] * len(parts)
-    for p in (reversed(range(len(parts))) if self.reverse else range(len(parts))):
-      carry, results[p] = parts[p](carry)
-    ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *(r[1] for r in results))
-    entries = tuple(r[0] for r in results)
+    def chunk(c, k):
+      new_c, ys = self.steps(c, base + k * size, size, False)
+      return new_c, (c, ys if keep_ys else None)
+
+    carry, (entries, ys) = lax.scan(chunk, carry, jnp.arange(levels[0]),
+                                    reverse=self.reverse)
+    ys = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), ys)
     return carry, ys, entries
 
-  def chunk_backward(self, entry, base, size, ct_ys, state):
-    """Recomputes a chunk's carries, then differentiates it step by step."""
+  def forward(self, carry):
+    """Every step; ``(carry, ys, the outer chunks' input carries)``."""
+    main_rows = math.prod(self.levels)
+    results = {}
+
+    def main(c):
+      c, results["main_ys"], results["main"] = self.chunks(c, 0, self.levels, True)
+      return c
+
+    def rest(c):
+      results["rest"] = c
+      c, results["rest_ys"] = self.steps(c, main_rows, self.remainder, False)
+      return c
+
+    for part in self._parts(main, rest):
+      carry = part(carry)
+    ys = results["main_ys"]
+    if self.remainder:
+      ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), ys,
+                                  results["rest_ys"])
+    return carry, ys, (results["main"], results.get("rest"))
+
+  def backward_steps(self, entry, base, size, ct_ys, state):
+    """Recomputes one innermost chunk's carries, then differentiates it."""
     _, (carries, _) = self.steps(entry, base, size, True)
 
     def step(state, j):
@@ -162,29 +191,43 @@ class _Loop:
                         unroll=self.unroll)
     return state
 
+  def backward_chunks(self, entries, base, levels, ct_ys, state):
+    """Differentiates ``levels[0]`` chunks, given each one's input carry.
+
+    A chunk of several levels first recomputes its own chunks' input
+    carries, then differentiates them from the last to the first.
+    """
+    size = math.prod(levels[1:])
+
+    def chunk(state, k):
+      start, entry = base + k * size, _row(entries, k)
+      if len(levels) == 2:
+        return self.backward_steps(entry, start, size, ct_ys, state), None
+      _, _, inner_entries = self.chunks(entry, start, levels[1:], False)
+      return self.backward_chunks(inner_entries, start, levels[1:], ct_ys, state), None
+
+    state, _ = lax.scan(chunk, state, jnp.arange(levels[0]), reverse=not self.reverse)
+    return state
+
   def backward(self, entries, ct_carry, ct_ys):
     """``(ct of the initial carry, grads of xs, grads of consts)``."""
     def zeros(tree):
       return jax.tree_util.tree_map(
           lambda a: jnp.zeros_like(a) if _differentiable(a) else None, tree)
 
-    state = (ct_carry, zeros(self.xs), zeros(self.consts))
+    main_entries, rest_entry = entries
+    state = [(ct_carry, zeros(self.xs), zeros(self.consts))]
 
-    def main(state):
-      def chunk(state, k):
-        entry = _row(entries[0], k)
-        return self.chunk_backward(entry, k * self.inner, self.inner, ct_ys, state), None
-      state, _ = lax.scan(chunk, state, jnp.arange(self.outer), reverse=not self.reverse)
-      return state
+    def main():
+      state[0] = self.backward_chunks(main_entries, 0, self.levels, ct_ys, state[0])
 
-    def rest(state):
-      return self.chunk_backward(entries[1], self.outer * self.inner,
-                                 self.remainder, ct_ys, state)
+    def rest():
+      state[0] = self.backward_steps(rest_entry, math.prod(self.levels),
+                                     self.remainder, ct_ys, state[0])
 
-    parts = [main, rest] if self.remainder else [main]
-    for p in (range(len(parts)) if self.reverse else reversed(range(len(parts)))):
-      state = parts[p](state)
-    ct_carry, grad_xs, grad_consts = state
+    for part in self._parts(main, rest, backward=True):
+      part()
+    ct_carry, grad_xs, grad_consts = state[0]
 
     def fill(grads, primals):
       return jax.tree_util.tree_map(
