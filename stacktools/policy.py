@@ -23,7 +23,7 @@ import math
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import jax
 import numpy as np
@@ -559,3 +559,30 @@ def split_nested(length: int, nested: Union[bool, int, tuple[int, ...]], *,
         f"choose the split, or an outer size between 1 and {length}.")
   inner, remainder = divmod(length, math.prod(sizes))
   return (*sizes, inner, remainder)
+
+
+def three_levels(length: int) -> Optional[tuple[int, int]]:
+  """The ``nested=(outer, middle)`` that keeps the fewest carries, if it pays.
+
+  Example::
+
+    three_levels(64)   # (4, 4): 4 + 4 + 4 carries, where two levels keep 8 + 8
+
+  A third level costs one more forward pass, so it is offered (by the
+  planner, see :func:`stacktools.report.candidates`) only where it keeps at
+  least two carries fewer than the best two-level split.
+
+  Args:
+    length: the number of steps.
+
+  Returns:
+    ``(outer, middle)`` for ``CheckpointPolicy(nested=...)``, or ``None``.
+  """
+  def peak(sizes):   # carries live at the backward pass's peak
+    *outer, inner, remainder = split_nested(length, sizes)
+    return sum(outer) + (remainder > 0) + max(inner, remainder), sizes
+
+  two = min(peak((a,)) for a in range(1, length + 1))
+  three = min(peak((a, b)) for a in range(1, length + 1)
+              for b in range(1, length // a + 1))
+  return three[1] if three[0] <= two[0] - 2 else None

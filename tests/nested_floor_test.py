@@ -97,3 +97,15 @@ def test_three_level_split_is_said():
   assert policy.nested_split(70) == (4, 4, 4, 6)
   with pytest.raises(ValueError, match=r"nested=\(4, 4\)\) asks for 16 chunks"):
     st.fold(lambda h, w: h * w, remat=policy)(jnp.ones(2), jnp.ones((10, 2)))
+
+
+def test_grad_of_grad_and_hessian_through_nested():
+  def loss(w, h, remat):
+    return jnp.sum(st.fold(lambda h, w: jnp.tanh(h * w), remat=remat)(h, w) ** 2)
+
+  w, h = jnp.linspace(0.1, 1.0, 9), jnp.linspace(0.5, 1.5, 3)
+  for remat in ("nested", st.CheckpointPolicy(nested=(2, 2))):
+    grad_of_grad = lambda r: jax.grad(lambda w: jnp.sum(jax.grad(loss)(w, h, r) ** 2))(w)
+    np.testing.assert_allclose(grad_of_grad(remat), grad_of_grad("none"), rtol=1e-5)
+    np.testing.assert_allclose(jax.hessian(loss)(w, h, remat),
+                               jax.hessian(loss)(w, h, "none"), rtol=1e-5, atol=1e-6)
