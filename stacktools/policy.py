@@ -194,8 +194,8 @@ class CheckpointPolicy:
     sizes = tuple(nested) if isinstance(nested, (tuple, list)) else (nested,)
     is_size = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, bool)
     if not isinstance(nested, bool) and not (sizes and all(map(is_size, sizes))):
-      raise TypeError(f"CheckpointPolicy(nested={nested!r}) must be a bool, a "
-                      "positive int (the outer-loop size) or a tuple of them "
+      raise TypeError(f"CheckpointPolicy(nested={nested!r}) must be a bool or a "
+                      "positive int (the outer-loop size), or a tuple of ints "
                       "(the chunk counts of each level but the innermost), e.g. "
                       "nested=(4, 4) for three levels.")
     if not isinstance(nested, bool):
