@@ -14,6 +14,10 @@ slope of ``none`` minus the slope of ``full`` (the activations one layer keeps
 beyond its carry), both least-squares fits over the measured depths. The
 analytic carry size (4 bytes * the carry's elements) is stated beside C.
 
+And the reference workload of nested's memory floor (``residual``: ``x +
+fc2(tanh(fc1 x))``, width 256, batch 1024) at 61 and 64 layers, full and
+nested against ``hk.layer_stack`` over an ``hk.remat``-ed block.
+
 The same for what a user writes by hand: a Python loop (``st.BlockSeq``),
 ``hk.layer_stack`` over an ``hk.remat``-ed block, and
 ``jax.lax.scan(jax.checkpoint(...))``.
@@ -52,15 +56,23 @@ def configs(args) -> dict[str, models.ModelConfig]:
   out = {}
   if "mlp" in args.models:
     out["mlp"] = models.ModelConfig("mlp", width=args.mlp_width, batch=args.mlp_batch)
+  if "residual" in args.models:
+    out["residual"] = models.ModelConfig("residual", width=args.residual_width,
+                                         batch=args.residual_batch)
   if "gpt" in args.models:
     out["gpt"] = models.ModelConfig("gpt", width=args.gpt_width, batch=args.gpt_batch,
                                     seq_len=args.gpt_seq_len, heads=args.gpt_heads)
   return out
 
 
-def plan(args) -> list[tuple[str, str, int]]:
-  """Every (impl, policy, depth) to measure, per model."""
+def plan(args, model: str) -> list[tuple[str, str, int]]:
+  """Every (impl, policy, depth) to measure for ``model``."""
   runs = []
+  if model == "residual":   # the nested floor against the Haiku user's own
+    for depth in args.residual_depths:
+      runs += [("stacked", policy, depth) for policy in ("full", "nested")]
+      runs += [("hk_layer_stack", "full", depth)]
+    return runs
   for depth in args.depths:
     for policy in args.policies:
       runs.append(("stacked", policy, depth))
@@ -144,6 +156,13 @@ def summarise(rows: list[dict[str, Any]], model_names: list[str]) -> dict[str, A
         same.setdefault(r["impl"], {})[f"{r['policy']}@{r['num_layers']}"] = (
             r["temp_bytes"] / ref[0])
     entry["alternative_over_stacked"] = same
+    # The floor nested reaches, against what a Haiku user writes by hand.
+    by_hand = {r["num_layers"]: r["temp_bytes"] for r in rows
+               if r["model"] == model and r["impl"] == "hk_layer_stack"
+               and r["policy"] == "full"}
+    entry["nested_over_hk_layer_stack_full"] = {
+        str(s["num_layers"]): s["temp_bytes"] / by_hand[s["num_layers"]]
+        for s in stacked if s["policy"] == "nested" and s["num_layers"] in by_hand}
     out[model] = entry
   return out
 
@@ -173,6 +192,11 @@ def markdown(payload: dict[str, Any]) -> str:
                  for d in depths]
         lines.append(f"| *guide: {policy}* | " + " | ".join(cells) + " |")
     lines.append("")
+    floor = payload["summary"][model]["nested_over_hk_layer_stack_full"]
+    if floor:
+      lines.append(f"**{model}**: st.Stacked nested / hk.layer_stack + hk.remat: " + ", ".join(
+          f"{ratio:.3f}x at L={depth}" for depth, ratio in floor.items()))
+      lines.append("")
     others = [r for r in rows if r["model"] == model and r["impl"] != "stacked"]
     if others:
       cols = sorted({(r["impl"], r["num_layers"]) for r in others},
@@ -285,7 +309,8 @@ def compiler_options(args, cfgs) -> tuple[Optional[dict[str, Any]], dict[str, An
 
 def build_parser():
   p = harness.parser(__doc__)
-  p.add_argument("--models", type=harness.str_list(("mlp", "gpt")), default=["mlp", "gpt"])
+  p.add_argument("--models", type=harness.str_list(("mlp", "gpt", "residual")),
+                 default=["mlp", "gpt", "residual"])
   p.add_argument("--depths", type=harness.int_list, default=[4, 8, 16, 32, 64, 128],
                  help="depths for st.Stacked, every policy")
   p.add_argument("--alt_depths", type=harness.int_list, default=[16, 64],
@@ -304,6 +329,10 @@ def build_parser():
                  help="compile with XLA's default options (slower; same bytes)")
   p.add_argument("--mlp_width", type=int, default=128)
   p.add_argument("--mlp_batch", type=int, default=1024)
+  p.add_argument("--residual_width", type=int, default=256)
+  p.add_argument("--residual_batch", type=int, default=1024)
+  p.add_argument("--residual_depths", type=harness.int_list, default=[61, 64],
+                 help="depths of the residual model (full, nested, hk.layer_stack)")
   p.add_argument("--gpt_width", type=int, default=128)
   p.add_argument("--gpt_batch", type=int, default=8)
   p.add_argument("--gpt_seq_len", type=int, default=128)
@@ -325,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   rows = []
   for model, cfg in cfgs.items():
     x = models.example_input(cfg)
-    for impl, policy, depth in plan(args):
+    for impl, policy, depth in plan(args, model):
       contender = contenders.build(impl, policy, cfg, depth, save_name=args.save_name)
       t0 = time.perf_counter()
       value = instruments.temp_bytes(contender.lowered_step(x), options)

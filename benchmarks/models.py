@@ -3,6 +3,9 @@
 * ``mlp``: a residual MLP block, ``x + W2 gelu(W1 LayerNorm(x))``, on a carry
   of shape ``[batch, width]``; the hidden activation is tagged
   ``"mlp_hidden"``.
+* ``residual``: the reference workload of the nested memory floor,
+  ``x + fc2(tanh(fc1 x))`` (no LayerNorm, no 4x hidden), on a carry of shape
+  ``[batch, width]``; the hidden activation is tagged ``"mlp_hidden"``.
 * ``gpt``: a small GPT-like pre-LayerNorm transformer block (causal
   multi-head self-attention, then a 4x MLP), on a carry of shape
   ``[batch, seq_len, width]``; the attention output is tagged ``"attn_out"``
@@ -32,7 +35,7 @@ class ModelConfig:
   """The sizes of one block stack's carry and block.
 
   Attributes:
-    kind: ``"mlp"`` or ``"gpt"``.
+    kind: ``"mlp"``, ``"residual"`` or ``"gpt"``.
     width: model width (``d_model``).
     batch: batch size.
     seq_len: sequence length (``gpt`` only; ignored by ``mlp``).
@@ -46,15 +49,16 @@ class ModelConfig:
   heads: int = 1
 
   def __post_init__(self):
-    if self.kind not in ("mlp", "gpt"):
-      raise ValueError(f"ModelConfig.kind must be 'mlp' or 'gpt', got {self.kind!r}.")
+    if self.kind not in ("mlp", "residual", "gpt"):
+      raise ValueError(f"ModelConfig.kind must be 'mlp', 'residual' or 'gpt', "
+                       f"got {self.kind!r}.")
     if self.kind == "gpt" and self.width % self.heads:
       raise ValueError(f"gpt: width={self.width} must be a multiple of "
                        f"heads={self.heads}.")
 
   @property
   def carry_shape(self) -> tuple[int, ...]:
-    if self.kind == "mlp":
+    if self.kind != "gpt":
       return (self.batch, self.width)
     return (self.batch, self.seq_len, self.width)
 
@@ -73,7 +77,7 @@ class ModelConfig:
 
   def describe(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
-    if self.kind == "mlp":
+    if self.kind != "gpt":
       del out["seq_len"], out["heads"]
     out["carry_shape"] = list(self.carry_shape)
     out["carry_bytes"] = self.carry_bytes
@@ -100,6 +104,18 @@ class MLPBlock(hk.Module):
     h = jax.nn.gelu(hk.Linear(4 * self.width, name="fc")(h))
     h = st.checkpoint_name(h, "mlp_hidden")
     return x + hk.Linear(self.width, name="out")(h)
+
+
+class ResidualBlock(hk.Module):
+  """``x + fc2(tanh(fc1 x))``; the hidden activation is ``mlp_hidden``."""
+
+  def __init__(self, width: int, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.width = width
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = st.checkpoint_name(jnp.tanh(hk.Linear(self.width, name="fc1")(x)), "mlp_hidden")
+    return x + hk.Linear(self.width, name="fc2")(h)
 
 
 class GPTBlock(hk.Module):
@@ -141,6 +157,8 @@ def make_block(cfg: ModelConfig) -> Callable[[], hk.Module]:
   """A factory of the block ``cfg`` describes, as ``st.Stacked`` takes it."""
   if cfg.kind == "mlp":
     return lambda: MLPBlock(cfg.width, name="block")
+  if cfg.kind == "residual":
+    return lambda: ResidualBlock(cfg.width, name="block")
   return lambda: GPTBlock(cfg.width, cfg.heads, name="block")
 
 

@@ -27,6 +27,7 @@ from jax import lax
 
 from stacktools import _checks
 from stacktools import _kinds
+from stacktools import _nested
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -371,8 +372,17 @@ class _Runner:
     return x
 
   def _nested(self, x, one_period, period_xs, segment):
-    """Periods in checkpointed chunks: keeps ~2*sqrt(periods) carries."""
+    """Periods in checkpointed chunks: keeps ~2*sqrt(periods) carries.
+
+    The chunks' backward pass is written by hand (:mod:`_nested`), so that
+    no chunk copies its slice of the inputs or of their gradient. Only
+    carries offloaded to host memory take ``jax.checkpoint``'s path, which
+    is what moves them there.
+    """
     policy = segment.policy
+    if policy.save_carries != "offload":
+      return _nested.scan(one_period, x, period_xs, split=segment.split,
+                          reverse=self.reverse, unroll=self.unroll)
     outer, inner, remainder = segment.split
 
     def run_chunk(carry, chunk_xs, size):

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import jax
 import numpy as np
@@ -161,7 +162,9 @@ class CheckpointPolicy:
     offload_block_internals: names of tagged intermediates kept in host memory.
     nested: ``True`` or an outer-loop size: a two-level loop that keeps only
       the outer loop's carries (about ``2*sqrt(N)`` carries in all) and
-      recomputes each inner loop in the backward pass.
+      recomputes each inner loop in the backward pass. A tuple of sizes adds
+      levels: ``nested=(4, 4)`` runs 4 chunks of 4 chunks of ``N // 16``
+      steps and keeps about ``3*cbrt(N)`` carries, for one more forward pass.
     prevent_cse: passed to ``jax.checkpoint``. Inside a scan ``False`` is safe
       and lets XLA optimise more.
     disable: no checkpointing at all: every intermediate is kept.
@@ -175,7 +178,7 @@ class CheckpointPolicy:
   save_inputs: SaveOption = False
   save_block_internals: Union[bool, Sequence[str]] = False
   offload_block_internals: Sequence[str] = ()
-  nested: Union[bool, int] = False
+  nested: Union[bool, int, tuple[int, ...]] = False
   prevent_cse: bool = False
   disable: bool = False
 
@@ -188,14 +191,24 @@ class CheckpointPolicy:
     offload = _as_names("offload_block_internals", self.offload_block_internals)
     object.__setattr__(self, "offload_block_internals", offload)
     nested = self.nested
-    if not isinstance(nested, (bool, int, np.integer)):
+    sizes = tuple(nested) if isinstance(nested, (tuple, list)) else (nested,)
+    is_size = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+    if not isinstance(nested, bool) and not (sizes and all(map(is_size, sizes))):
       raise TypeError(f"CheckpointPolicy(nested={nested!r}) must be a bool or a "
-                      "positive int (the outer-loop size).")
+                      "positive int (the outer-loop size), or a tuple of ints "
+                      "(the chunk counts of each level but the innermost), e.g. "
+                      "nested=(4, 4) for three levels.")
     if not isinstance(nested, bool):
-      if nested < 1:
-        raise ValueError(f"CheckpointPolicy(nested={nested}) must be True or an "
-                         "outer-loop size >= 1.")
-      object.__setattr__(self, "nested", int(nested))
+      if min(sizes) < 1:
+        raise ValueError(f"CheckpointPolicy(nested={nested}) must be True or "
+                         "outer-loop sizes >= 1.")
+      sizes = tuple(int(n) for n in sizes)
+      object.__setattr__(self, "nested", sizes[0] if len(sizes) == 1 else sizes)
+      if len(sizes) > 1 and self.save_carries == "offload":
+        raise ValueError(
+            f"CheckpointPolicy(nested={nested}, save_carries='offload'): carries "
+            "move to host memory in a loop of two levels only; use nested=True "
+            "or an int with offloading, or keep the carries on device.")
 
     if self.disable:
       # Only fields that ask for something disable=True would not do.
@@ -276,7 +289,7 @@ class CheckpointPolicy:
               if getattr(self, f.name) != getattr(defaults, f.name)]
     return f"CheckpointPolicy({', '.join(fields)})"
 
-  def nested_split(self, length: int) -> tuple[int, int, int]:
+  def nested_split(self, length: int) -> tuple[int, ...]:
     """How this policy's ``nested`` splits a loop of ``length`` steps.
 
     Example::
@@ -289,7 +302,8 @@ class CheckpointPolicy:
     Returns:
       ``(outer, inner, remainder)``: ``outer`` chunks of ``inner`` steps, then
       one chunk of ``remainder`` steps when ``remainder > 0`` (see
-      :func:`split_nested`, which also weighs the sizes of carries and inputs).
+      :func:`split_nested`, which also weighs the sizes of carries and inputs);
+      with more levels, each level's count, then the remainder.
 
     Raises:
       ValueError: when the policy is not nested, or its outer size exceeds
@@ -476,9 +490,9 @@ REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
 CheckpointPolicy.ALIASES = REMAT_ALIASES
 
 
-def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 1.0,
-                 layer_bytes: float = 0.0, largest_leaf_bytes: float = 0.0,
-                 period: int = 1) -> tuple[int, int, int]:
+def split_nested(length: int, nested: Union[bool, int, tuple[int, ...]], *,
+                 carry_bytes: float = 1.0, layer_bytes: float = 0.0,
+                 largest_leaf_bytes: float = 0.0, period: int = 1) -> tuple[int, ...]:
   """How a nested loop of ``length`` steps is split.
 
   Example::
@@ -500,8 +514,9 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
 
   Args:
     length: the number of steps.
-    nested: ``True`` to choose the split, or an int number of full outer
-      chunks, at most ``length``.
+    nested: ``True`` to choose the split, an int number of full outer
+      chunks, at most ``length``, or a tuple of chunk counts per level
+      (their product at most ``length``).
     carry_bytes: the size of the carry.
     layer_bytes: the size of one step's slice of ``xs``.
     largest_leaf_bytes: the size of the largest leaf of one step's slice.
@@ -511,7 +526,8 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
   Returns:
     ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
     ``outer`` chunks of ``inner`` steps, then one chunk of ``remainder``
-    steps when ``remainder > 0``.
+    steps when ``remainder > 0``. For a tuple ``nested=(a, b)``,
+    ``(a, b, inner, remainder)`` with ``a * b * inner + remainder == length``.
 
   Raises:
     ValueError: when ``nested`` is an int larger than ``length``.
@@ -529,7 +545,8 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
     inner = min(range(1, length + 1), key=peak_bytes)
     outer, remainder = divmod(length, inner)
     return outer, inner, remainder
-  if nested > length:
+  sizes = nested if isinstance(nested, tuple) else (nested,)
+  if math.prod(sizes) > length:
     if period == 1:
       asked, has = "", f"the loop has only {length} steps"
     else:
@@ -537,9 +554,35 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
       has = (f"the stack (or this per_depth segment) has {length} whole periods "
              f"of {period} layers")
     raise ValueError(
-        f"{_checks.where()}CheckpointPolicy(nested={nested}) asks for {nested} "
-        f"outer chunks{asked}, but {has}. Use nested=True to let stacktools "
+        f"{_checks.where()}CheckpointPolicy(nested={nested}) asks for "
+        f"{math.prod(sizes)} {'outer ' if len(sizes) == 1 else ''}chunks{asked}, but {has}. Use nested=True to let stacktools "
         f"choose the split, or an outer size between 1 and {length}.")
-  outer = int(nested)
-  inner, remainder = divmod(length, outer)
-  return outer, inner, remainder
+  inner, remainder = divmod(length, math.prod(sizes))
+  return (*sizes, inner, remainder)
+
+
+def three_levels(length: int) -> Optional[tuple[int, int]]:
+  """The ``nested=(outer, middle)`` that keeps the fewest carries, if it pays.
+
+  Example::
+
+    three_levels(64)   # (4, 4): 4 + 4 + 4 carries, where two levels keep 8 + 8
+
+  A third level costs one more forward pass, so it is offered (by the
+  planner, see :func:`stacktools.report.candidates`) only where it keeps at
+  least two carries fewer than the best two-level split.
+
+  Args:
+    length: the number of steps.
+
+  Returns:
+    ``(outer, middle)`` for ``CheckpointPolicy(nested=...)``, or ``None``.
+  """
+  def peak(sizes):   # carries live at the backward pass's peak
+    *outer, inner, remainder = split_nested(length, sizes)
+    return sum(outer) + (remainder > 0) + max(inner, remainder), sizes
+
+  two = min(peak((a,)) for a in range(1, length + 1))
+  three = min(peak((a, b)) for a in range(1, length + 1)
+              for b in range(1, length // a + 1))
+  return three[1] if three[0] <= two[0] - 2 else None

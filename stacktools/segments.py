@@ -316,6 +316,11 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
     whole = (start + count) // period - -(-start // period)
     if policy.nested and whole > 0:
       carry_bytes, period_bytes, largest = sizes() if sizes else (1.0, 0.0, 0.0)
+      if policy.save_carries != "offload":
+        # Only a chunk under jax.checkpoint (carries offloaded) copies its
+        # slice of the inputs; the engine's own nested loop reads each row
+        # in place (see stacktools/_nested.py), so carries alone count.
+        period_bytes = largest = 0.0
       split = policy_lib.split_nested(
           whole, policy.nested, carry_bytes=carry_bytes, layer_bytes=period_bytes,
           largest_leaf_bytes=largest, period=period)

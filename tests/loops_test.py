@@ -38,9 +38,10 @@ POLICIES = [
     "none", "full", "nested", "offload", "save_all",
     st.CheckpointPolicy(save_block_internals=["name"]),
     st.CheckpointPolicy(nested=4),
+    st.CheckpointPolicy(nested=(2, 2)),
 ]
 POLICY_IDS = ["none", "full", "nested", "offload", "save_all", "save_name",
-              "nested4"]
+              "nested4", "nested2x2"]
 SYNONYMS = {False: "none", None: "none", True: "full"}
 
 # The numbers do not depend on XLA's backend optimisations, and without them

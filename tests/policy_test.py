@@ -167,6 +167,21 @@ def test_nested_must_be_bool_or_int(nested):
     st.CheckpointPolicy(nested=nested)
 
 
+@pytest.mark.parametrize("nested", [(), (2, 1.5), (True, 2), [2, "x"]])
+def test_nested_levels_must_be_ints(nested):
+  with pytest.raises(TypeError, match=r"or a tuple of ints .* nested=\(4, 4\)"):
+    st.CheckpointPolicy(nested=nested)
+
+
+def test_nested_levels_must_be_positive_and_on_device():
+  with pytest.raises(ValueError, match=r"nested=\(2, 0\)\).*>= 1"):
+    st.CheckpointPolicy(nested=(2, 0))
+  with pytest.raises(ValueError, match=r"two levels only"):
+    st.CheckpointPolicy(nested=(2, 2), save_carries="offload")
+  assert st.CheckpointPolicy(nested=[np.int64(3), 2]).nested == (3, 2)
+  assert st.CheckpointPolicy(nested=(5,)).nested == 5
+
+
 def test_nested_numpy_int_becomes_int():
   policy = st.CheckpointPolicy(nested=np.int64(4))
   assert policy.nested == 4 and type(policy.nested) is int
