@@ -1,0 +1,161 @@
+"""Finds and runs the Python examples of the docs, the README and the docstrings.
+
+A small collector of our own rather than Sybil or pytest-markdown-docs: it
+reads both kinds of example this project writes (fenced ```python blocks in
+Markdown, and the ``Example::`` literal blocks of Google-style docstrings),
+runs the blocks of one page in order in one namespace, and needs nothing
+beyond the standard library, so it runs under plain pytest and under Bazel
+alike.
+
+* Markdown: every fence whose info string starts with ``python`` runs. A
+  fence right after a line ``<!-- fragment: why -->`` is shown, not run (a
+  few lines that need a cluster, say); a page with a line
+  ``<!-- doc-test: devices=N -->`` runs in a subprocess of its own with N
+  virtual CPU devices (for meshes and pipelines).
+* Docstrings: every literal block introduced by a line ``Example::`` (or
+  ``Example, something::``) runs in a copy of its module's globals, as doctest
+  runs a docstring, with ``jax``, ``jnp``, ``np``, ``hk``, ``optax`` and
+  ``st`` imported.
+
+A failing block raises with its file and line, so tracebacks point into the
+page or the module.
+"""
+
+import ast
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<ticks>```+)(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)(?P=ticks)[ \t]*$",
+    re.M | re.S)
+FRAGMENT = re.compile(r"<!--\s*fragment:\s*(?P<why>[^>]*?)\s*-->\s*$")
+DEVICES = re.compile(r"<!--\s*doc-test:\s*devices=(?P<n>\d+)\s*-->")
+EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Example[^\n:]*::[ \t]*$", re.M)
+PREAMBLE = ("import jax\nimport jax.numpy as jnp\nimport numpy as np\n"
+            "import haiku as hk\nimport optax\nimport stacktools as st\n")
+
+
+@dataclasses.dataclass
+class Block:
+  path: str        # the file it is in
+  line: int        # the line of its first code line, 1-based
+  code: str
+  fragment: str = ""  # why it is not run; empty: it runs
+
+
+def markdown_blocks(path):
+  """The ```python blocks of a Markdown file, in order."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  blocks = []
+  for m in FENCE.finditer(text):
+    if not m.group("info").strip().startswith("python"):
+      continue
+    line = text.count("\n", 0, m.start("body")) + 1
+    before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+    why = FRAGMENT.search(before)
+    code = textwrap.dedent(m.group("body"))
+    blocks.append(Block(path, line, code, why.group("why") if why else ""))
+  return blocks
+
+
+def page_devices(path):
+  """The virtual device count a page asks for (0: the test process's)."""
+  with open(path, encoding="utf-8") as f:
+    m = DEVICES.search(f.read())
+  return int(m.group("n")) if m else 0
+
+
+def docstring_blocks(path):
+  """The ``Example::`` blocks of every docstring in a Python source file."""
+  with open(path, encoding="utf-8") as f:
+    source = f.read()
+  tree = ast.parse(source)
+  blocks = []
+  nodes = [tree] + [n for n in ast.walk(tree) if isinstance(
+      n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+  for node in nodes:
+    body = getattr(node, "body", [])
+    if not (body and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+      continue
+    # The docstring's lines as written in the file (raw, unindented by
+    # Python's cleandoc), so line numbers point at the source.
+    first = body[0].value.lineno
+    raw = source.splitlines()[first - 1:body[0].value.end_lineno]
+    for i, text in enumerate(raw):
+      m = EXAMPLE.match(text)
+      if not m:
+        continue
+      indent = len(m.group("indent"))
+      j = i + 1
+      while j < len(raw) and (not raw[j].strip() or
+                              len(raw[j]) - len(raw[j].lstrip()) > indent):
+        j += 1
+      lines = raw[i + 1:j]
+      k = 0
+      while k < len(lines) and not lines[k].strip():
+        k += 1
+      code = textwrap.dedent("\n".join(lines[k:])).strip("\n") + "\n"
+      blocks.append(Block(path, first + i + 1 + k, code))
+  return blocks
+
+
+def run_blocks(blocks, namespace):
+  """Runs blocks in order in one namespace; returns how many ran.
+
+  A block is compiled under its file's name with its own line numbers, so a
+  traceback shows the page or module and the line that failed.
+  """
+  ran = 0
+  for block in blocks:
+    if block.fragment:
+      continue
+    code = "\n" * (block.line - 1) + block.code
+    try:
+      exec(compile(code, block.path, "exec"), namespace)  # pylint: disable=exec-used
+    except Exception as e:
+      raise AssertionError(
+          f"the example at {os.path.relpath(block.path, ROOT)}:{block.line} "
+          f"failed: {type(e).__name__}: {e}") from e
+    ran += 1
+  return ran
+
+
+def run_page(path):
+  """Runs a Markdown page's blocks; in a subprocess if it asks for devices."""
+  devices = page_devices(path)
+  if devices and "--in-subprocess" not in sys.argv:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), path, "--in-subprocess"],
+        env=env, capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode:
+      raise AssertionError(f"{path} with {devices} devices:\n{out.stderr[-4000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+  return run_blocks(markdown_blocks(path), {"__name__": "__doc_example__"})
+
+
+def run_docstrings(path, module_globals):
+  """Runs a module's docstring examples, each in a copy of its globals."""
+  blocks = docstring_blocks(path)
+  for block in blocks:
+    namespace = dict(module_globals)
+    exec(PREAMBLE, namespace)  # pylint: disable=exec-used
+    run_blocks([block], namespace)
+  return len(blocks)
+
+
+if __name__ == "__main__":
+  # python tests/doc_examples.py PAGE --in-subprocess: what run_page starts.
+  sys.path.insert(0, ROOT)
+  print(run_blocks(markdown_blocks(sys.argv[1]), {"__name__": "__doc_example__"}))
