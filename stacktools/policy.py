@@ -61,6 +61,9 @@ def checkpoint_name(tree: T, name: str) -> T:
       h = st.checkpoint_name(jax.nn.gelu(x @ w), "mlp_hidden")
       return x + h @ w.T
 
+    policy = st.CheckpointPolicy(save_block_internals=["mlp_hidden"])
+    y = st.fold(block, remat=policy)(jnp.ones((2, 8)), jnp.full((4, 8, 16), 0.1))
+
   Args:
     tree: any pytree; its array leaves are tagged.
     name: the name a policy refers to.
@@ -143,8 +146,11 @@ class CheckpointPolicy:
 
   Example::
 
+    def block(x, w):
+      return x + st.checkpoint_name(jnp.tanh(x @ w), "attn_out")
+
     policy = st.CheckpointPolicy(save_block_internals=["attn_out"], nested=True)
-    y = st.fold(block, remat=policy)(x, params)
+    y = st.fold(block, remat=policy)(jnp.ones((2, 8)), jnp.full((16, 8, 8), 0.1))
 
   Attributes:
     save_carries: keep each step's carry on device (``True``) or in host
@@ -239,7 +245,7 @@ class CheckpointPolicy:
 
     Example::
 
-      st.CheckpointPolicy.from_remat("nested")  # CheckpointPolicy(nested=True)
+      assert st.CheckpointPolicy.from_remat("nested") == st.CheckpointPolicy(nested=True)
 
     Args:
       remat: ``False``/``None``/``"none"`` (no checkpointing), ``True``/
@@ -281,7 +287,7 @@ class CheckpointPolicy:
 
     Example::
 
-      st.CheckpointPolicy(nested=True).nested_split(61)   # (8, 7, 5)
+      assert st.CheckpointPolicy(nested=True).nested_split(61) == (8, 7, 5)
 
     Args:
       length: the number of steps.
@@ -483,7 +489,7 @@ def split_nested(length: int, nested: Union[bool, int], *, carry_bytes: float = 
 
   Example::
 
-    split_nested(61, True)   # (8, 7, 5): 8 chunks of 7 steps, then 5 steps
+    assert split_nested(61, True) == (8, 7, 5)   # 8 chunks of 7 steps, then 5 steps
 
   With ``nested=True`` the split minimises an estimate of the bytes the
   backward pass holds at its peak:

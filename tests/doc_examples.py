@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(
@@ -36,6 +37,8 @@ FENCE = re.compile(
 FRAGMENT = re.compile(r"<!--\s*fragment:\s*(?P<why>[^>]*?)\s*-->\s*$")
 DEVICES = re.compile(r"<!--\s*doc-test:\s*devices=(?P<n>\d+)\s*-->")
 EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Example[^\n:]*::[ \t]*$", re.M)
+# How many blocks the test run ran, by kind; tests/conftest.py prints them.
+COUNTS = {"page blocks": 0, "docstring blocks": 0}
 PREAMBLE = ("import jax\nimport jax.numpy as jnp\nimport numpy as np\n"
             "import haiku as hk\nimport optax\nimport stacktools as st\n")
 
@@ -121,9 +124,12 @@ def run_blocks(blocks, namespace):
     try:
       exec(compile(code, block.path, "exec"), namespace)  # pylint: disable=exec-used
     except Exception as e:
+      # The line that failed, where the traceback passes through the block.
+      lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+               if f.filename == block.path]
       raise AssertionError(
-          f"the example at {os.path.relpath(block.path, ROOT)}:{block.line} "
-          f"failed: {type(e).__name__}: {e}") from e
+          f"the example at {os.path.relpath(block.path, ROOT)}:"
+          f"{lines[-1] if lines else block.line} failed: {type(e).__name__}: {e}") from e
     ran += 1
   return ran
 
@@ -146,16 +152,50 @@ def run_page(path):
 
 
 def run_docstrings(path, module_globals):
-  """Runs a module's docstring examples, each in a copy of its globals."""
+  """Runs a module's docstring examples, each in a copy of its globals.
+
+  As Haiku's own docstring tests do, each example runs inside a Haiku
+  transform (its init), so it may build modules where a model would.
+  """
+  import haiku as hk  # pylint: disable=g-import-not-at-top
   blocks = docstring_blocks(path)
   for block in blocks:
     namespace = dict(module_globals)
     exec(PREAMBLE, namespace)  # pylint: disable=exec-used
-    run_blocks([block], namespace)
+    hk.testing.transform_and_run(lambda: run_blocks([block], namespace),
+                                 run_apply=False)()
   return len(blocks)
 
 
+def package_modules():
+  """``(path, module name)`` of every module of the package."""
+  folder = os.path.join(ROOT, "stacktools")
+  return [(os.path.join(folder, name), "stacktools." + name[:-3])
+          for name in sorted(os.listdir(folder)) if name.endswith(".py")]
+
+
+def run_all_docstrings(devices=8):
+  """Runs every docstring example of the package in a subprocess with
+  ``devices`` virtual CPU devices (the sharding and pipeline examples build
+  meshes); returns how many ran."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={devices}")
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--docstrings"],
+                       env=env, capture_output=True, text=True, timeout=600, check=False)
+  if out.returncode:
+    raise AssertionError(f"docstring examples with {devices} devices:\n{out.stderr[-4000:]}")
+  return int(out.stdout.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
-  # python tests/doc_examples.py PAGE --in-subprocess: what run_page starts.
+  # What run_page and run_all_docstrings start: python tests/doc_examples.py
+  # PAGE --in-subprocess, or --docstrings.
   sys.path.insert(0, ROOT)
-  print(run_blocks(markdown_blocks(sys.argv[1]), {"__name__": "__doc_example__"}))
+  if sys.argv[1] == "--docstrings":
+    import importlib  # pylint: disable=g-import-not-at-top
+    print(sum(run_docstrings(path, vars(importlib.import_module(name)))
+              for path, name in package_modules()))
+  else:
+    print(run_blocks(markdown_blocks(sys.argv[1]), {"__name__": "__doc_example__"}))
