@@ -128,8 +128,8 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     specs = st.stacked_partition_specs(params, mesh, stacked=["model/h"],
                                        pipelined=["model/h"])
-    # model/h/block/fc/w [L, d, 4d]:
-    assert specs["model/h/block/fc"]["w"] == PartitionSpec('pipe', None, 'fsdp')
+    fc = specs["model/h/block/fc"]            # w: [L, d, 4d]
+    assert fc["w"] == PartitionSpec('pipe', None, 'fsdp')
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tree``.
