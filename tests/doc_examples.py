@@ -23,6 +23,7 @@ page or the module.
 
 import ast
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -35,8 +36,10 @@ FENCE = re.compile(
     r"^(?P<indent>[ \t]*)(?P<ticks>```+)(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)(?P=ticks)[ \t]*$",
     re.M | re.S)
 FRAGMENT = re.compile(r"<!--\s*fragment:\s*(?P<why>[^>]*?)\s*-->\s*$")
-DEVICES = re.compile(r"<!--\s*doc-test:\s*devices=(?P<n>\d+)\s*-->")
+DEVICES_MARK = re.compile(r"<!--\s*doc-test:\s*devices=(?P<n>\d+)\s*-->")
 EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Example[^\n:]*::[ \t]*$", re.M)
+DEVICES = 8                    # for the examples that build meshes
+DOCSTRINGS = "--docstrings"    # run_on_devices' item for the docstring examples
 # How many blocks the test run ran, by kind; tests/conftest.py prints them.
 COUNTS = {"page blocks": 0, "docstring blocks": 0}
 PREAMBLE = ("import jax\nimport jax.numpy as jnp\nimport numpy as np\n"
@@ -70,7 +73,7 @@ def markdown_blocks(path):
 def page_devices(path):
   """The virtual device count a page asks for (0: the test process's)."""
   with open(path, encoding="utf-8") as f:
-    m = DEVICES.search(f.read())
+    m = DEVICES_MARK.search(f.read())
   return int(m.group("n")) if m else 0
 
 
@@ -135,19 +138,12 @@ def run_blocks(blocks, namespace):
 
 
 def run_page(path):
-  """Runs a Markdown page's blocks; in a subprocess if it asks for devices."""
-  devices = page_devices(path)
-  if devices and "--in-subprocess" not in sys.argv:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={devices}")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), path, "--in-subprocess"],
-        env=env, capture_output=True, text=True, timeout=600, check=False)
-    if out.returncode:
-      raise AssertionError(f"{path} with {devices} devices:\n{out.stderr[-4000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+  """Runs a Markdown page's blocks; returns how many ran.
+
+  A page that asks for devices runs in a subprocess (see run_on_devices).
+  """
+  if page_devices(path):
+    return _result(path, run_on_devices([path])[path])
   return run_blocks(markdown_blocks(path), {"__name__": "__doc_example__"})
 
 
@@ -174,28 +170,50 @@ def package_modules():
           for name in sorted(os.listdir(folder)) if name.endswith(".py")]
 
 
-def run_all_docstrings(devices=8):
-  """Runs every docstring example of the package in a subprocess with
-  ``devices`` virtual CPU devices (the sharding and pipeline examples build
-  meshes); returns how many ran."""
+def run_on_devices(items):
+  """Runs pages and the docstring examples in one subprocess with DEVICES
+  virtual CPU devices (their examples build meshes), so JAX starts once.
+
+  Args:
+    items: Markdown pages, and DOCSTRINGS for every docstring example of the
+      package.
+
+  Returns:
+    ``{item: the number of blocks run, or the error's traceback as text}``.
+  """
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices}")
+                      f" --xla_force_host_platform_device_count={DEVICES}")
   env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--docstrings"],
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), *items],
                        env=env, capture_output=True, text=True, timeout=600, check=False)
   if out.returncode:
-    raise AssertionError(f"docstring examples with {devices} devices:\n{out.stderr[-4000:]}")
-  return int(out.stdout.strip().splitlines()[-1])
+    raise AssertionError(f"the examples on {DEVICES} devices:\n{out.stderr[-4000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _result(item, result):
+  if isinstance(result, str):
+    raise AssertionError(f"{item} on {DEVICES} devices:\n{result}")
+  return result
+
+
+def _run_item(item):
+  if item != DOCSTRINGS:
+    return run_blocks(markdown_blocks(item), {"__name__": "__doc_example__"})
+  import importlib  # pylint: disable=g-import-not-at-top
+  return sum(run_docstrings(path, vars(importlib.import_module(name)))
+             for path, name in package_modules())
 
 
 if __name__ == "__main__":
-  # What run_page and run_all_docstrings start: python tests/doc_examples.py
-  # PAGE --in-subprocess, or --docstrings.
+  # What run_on_devices starts: python tests/doc_examples.py ITEM...; prints
+  # {item: count or traceback} as JSON on its last line.
   sys.path.insert(0, ROOT)
-  if sys.argv[1] == "--docstrings":
-    import importlib  # pylint: disable=g-import-not-at-top
-    print(sum(run_docstrings(path, vars(importlib.import_module(name)))
-              for path, name in package_modules()))
-  else:
-    print(run_blocks(markdown_blocks(sys.argv[1]), {"__name__": "__doc_example__"}))
+  results = {}
+  for arg in sys.argv[1:]:
+    try:
+      results[arg] = _run_item(arg)
+    except Exception:  # pylint: disable=broad-except
+      results[arg] = traceback.format_exc()[-4000:]
+  print(json.dumps(results))

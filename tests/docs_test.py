@@ -41,16 +41,35 @@ def _rel(path):
 PAGES_WITH_CODE = [p for p in _pages() if doc_examples.markdown_blocks(p)]
 
 
+@pytest.fixture(scope="module")
+def on_devices():
+  """The pages that build meshes and the docstring examples, run in one
+  subprocess with 8 virtual devices: {item: blocks run, or the traceback}."""
+  items = [p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)]
+  return doc_examples.run_on_devices(items + [doc_examples.DOCSTRINGS])
+
+
+def _ran(on_devices, item):
+  if isinstance(on_devices[item], str):
+    pytest.fail(f"{item}:\n{on_devices[item]}")
+  return on_devices[item]
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_rel)
-def test_the_examples_of_a_page_run(page):
-  ran = doc_examples.run_page(page)
+def test_the_examples_of_a_page_run(page, request):
+  devices = doc_examples.page_devices(page)
+  if devices:
+    assert devices == doc_examples.DEVICES, devices
+    ran = _ran(request.getfixturevalue("on_devices"), page)
+  else:
+    ran = doc_examples.run_page(page)
   blocks = doc_examples.markdown_blocks(page)
   assert ran == sum(not b.fragment for b in blocks), (ran, len(blocks))
   doc_examples.COUNTS["page blocks"] += ran
 
 
-def test_the_docstring_examples_run():
-  ran = doc_examples.run_all_docstrings()
+def test_the_docstring_examples_run(on_devices):
+  ran = _ran(on_devices, doc_examples.DOCSTRINGS)
   found = sum(len(doc_examples.docstring_blocks(path))
               for path, _ in doc_examples.package_modules())
   assert ran == found and ran >= 30, (ran, found)
