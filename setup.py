@@ -31,5 +31,8 @@ setuptools.setup(
         "examples": [ORBAX, "matplotlib>=3.7"],
         "test": ["pytest>=8", ORBAX],
         "plot": ["matplotlib>=3.7"],
+        # The docs site (mkdocs.yml): `mkdocs build --strict`, `mkdocs serve`.
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10",
+                 "mkdocstrings[python]>=0.27,<2", "mkdocstrings-python>=1.12,<3"],
     },
 )

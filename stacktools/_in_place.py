@@ -59,10 +59,14 @@ class LayerView:
 
     class Block(hk.Module):
       def __call__(self, x, cache, pos):        # cache: a LayerView
-        k, v = project(x)                       # [B, 1, H, D] each
-        cache = cache.write({"k": k, "v": v}, at=(0, pos))
-        kv = cache.read()                       # {"k": [B, T, H, D], ...}
-        return x + attend(x, kv), cache
+        k = hk.Linear(x.shape[-1])(x)[:, None]  # [B, 1, D]
+        cache = cache.write({"k": k}, at=(0, pos))
+        keys = cache.read()["k"]                # [B, T, D], with the write
+        return x + jnp.einsum("bd,btd->bd", x, keys), cache
+
+    cache = {"k": jnp.zeros((4, 2, 8, 16))}     # [num_layers, B, T, D]
+    x, cache = st.Stacked(Block, num_layers=4, name="h").scan(
+        jnp.ones((2, 16)), st.per_layer(cache, in_place=True), 3)
   """
 
   def __init__(self, whole: PyTree, row: jax.Array, lineage: Lineage,

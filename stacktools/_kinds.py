@@ -61,11 +61,15 @@ def per_kind(trees: Mapping[str, PyTree], *, in_place: bool = False) -> PerKind:
 
   Example::
 
-    blocks = st.Stacked({"local": Local, "global": Global}, num_layers=26,
+    class Block(hk.Module):
+      def __call__(self, x, cache):      # cache: [B, S, D], S by kind
+        return x + hk.Linear(x.shape[-1])(cache.mean(axis=1)), cache
+
+    blocks = st.Stacked({"local": Block, "global": Block}, num_layers=26,
                         pattern=("local",) * 5 + ("global",), name="h")
-    caches = {"local": local_caches,     # leading axis 22 (local layers)
-              "global": global_caches}   # leading axis 4
-    x, new_caches = blocks.scan(x, st.per_kind(caches))
+    caches = {"local": jnp.ones((22, 2, 4, 8)),    # leading axis 22 (local layers)
+              "global": jnp.ones((4, 2, 16, 8))}   # leading axis 4
+    x, new_caches = blocks.scan(jnp.ones((2, 8)), st.per_kind(caches))
 
   ``in_place=True`` gives each layer a view of its row to read and write, as
   :func:`per_layer` does; a block that returns the view gets its kind's

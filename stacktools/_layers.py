@@ -78,7 +78,13 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
 
   Example::
 
-    x, new_cache = blocks.scan(x, mask, st.per_layer(kv_cache))
+    class Gated(hk.Module):          # layer i is given gates[i]
+      def __call__(self, x, gate):
+        return x + gate * hk.Linear(x.shape[-1])(x)
+
+    gates = jnp.linspace(0.0, 1.0, 4)[:, None]         # [num_layers, 1]
+    x = st.Stacked(Gated, num_layers=4, name="g").fold(
+        jnp.ones((2, 16)), st.per_layer(gates))
 
     class Block(hk.Module):          # the in-place form
       def __call__(self, x, cache, pos):               # x: [B, D]
@@ -87,8 +93,9 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
         keys = cache.read()["k"]
         return x + jnp.einsum("bd,btd->bd", x, keys), cache
 
+    kv_cache = {"k": jnp.zeros((4, 2, 8, 16))}         # [num_layers, B, T, D]
     blocks = st.Stacked(Block, num_layers=4, name="h")
-    x, kv_cache = blocks.scan(x, st.per_layer(kv_cache, in_place=True), pos)
+    x, kv_cache = blocks.scan(x, st.per_layer(kv_cache, in_place=True), 3)
 
   Args:
     tree: a pytree of arrays with a leading ``num_layers`` axis.
@@ -137,6 +144,8 @@ def layer_index() -> jax.Array:
       def __call__(self, x):
         scale = 1.0 / jnp.sqrt(2.0 * (st.layer_index() + 1))
         return x + scale * hk.Linear(x.shape[-1])(x)
+
+    x = st.Stacked(Block, num_layers=6, name="h").fold(jnp.ones((2, 8)))
 
   Returns:
     A scalar int32 array (a tracer inside the loop).

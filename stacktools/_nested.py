@@ -43,7 +43,9 @@ def scan(body: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], carry: PyTree,
 
   Example::
 
-    carry, ys = scan(body, carry, xs, split=(8, 8, 0))   # 64 steps
+    body = lambda h, w: (jnp.tanh(h * w), h.sum())
+    h, sums = scan(body, jnp.ones(3), jnp.ones((64, 3)), split=(8, 8, 0))
+    assert sums.shape == (64,)
 
   Args:
     body: ``body(carry, x) -> (carry, y)``; may close over traced values

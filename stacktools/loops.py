@@ -52,6 +52,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
     def layer(h, w):
       return jnp.tanh(h @ w)
 
+    h0, ws = jnp.ones((2, 8)), jnp.full((12, 8, 8), 0.1)
     h = st.fold(layer, remat="nested")(h0, ws)   # ws: [num_layers, d, d]
 
   Args:
@@ -105,6 +106,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
       h = jnp.tanh(h @ w)
       return h, jnp.linalg.norm(h)
 
+    h0, ws = jnp.ones((2, 8)), jnp.full((12, 8, 8), 0.1)
     h, norms = st.scan(layer, remat=True)(h0, ws)   # norms: [num_layers]
 
   Args:
@@ -145,7 +147,8 @@ def map(f: Callable[[Any], Y], *,  # pylint: disable=redefined-builtin
 
   Example::
 
-    ys = st.map(lambda x: jnp.sort(x))(xs)
+    xs = jnp.array([[3.0, 1.0, 2.0], [0.0, 5.0, 4.0]])
+    ys = st.map(lambda x: jnp.sort(x))(xs)    # [[1, 2, 3], [0, 4, 5]]
 
   Args:
     f: ``f(x) -> y``.

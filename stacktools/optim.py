@@ -235,6 +235,9 @@ def over_layers(tx: optax.GradientTransformation, *,
         st.over_layers(optax.contrib.muon(0.02), stacked=["model/h"],
                        scale=lambda i: 0.8 ** (L - 1 - i),  # layer-wise decay
                        frozen=range(0, 2)))                 # layers 0 and 1
+    params = {"model/h/block/linear": {"w": jnp.ones((L, 8, 8))},
+              "model/head": {"w": jnp.ones((8, 1))}}
+    updates, state = tx.update(params, tx.init(params), params)
 
     # A mixed-layer stack: its pattern gives each kind's global indices.
     tx = st.over_layers(optax.adamw(1e-3),

@@ -46,9 +46,12 @@ def unstack_params(params: Bundle, prefix: str, *,
 
   Example::
 
+    params = {"model/h/block/linear": {"w": jnp.ones((4, 8, 8))}}
     seq_params = st.unstack_params(params, "model/h")
-    # {"model/h/layer_0/block/linear": {"w": [d, d], ...}, ...}
+    # {"model/h/layer_0/block/linear": {"w": [8, 8]}, ..., "model/h/layer_3/..."}
 
+    params = {"model/h/local/block/linear": {"w": jnp.ones((5, 8, 8))},
+              "model/h/global/block/linear": {"w": jnp.ones((1, 8, 8))}}
     seq_params = st.unstack_params(params, "model/h", pattern=("local",) * 5 + ("global",))
     # model/h/local/... and model/h/global/... -> model/h/layer_<i>/...
 
@@ -144,7 +147,10 @@ def stack_params(params: Bundle, prefix: str, *,
 
   Example::
 
+    params = {"model/h/block/linear": {"w": jnp.ones((4, 8, 8))}}
     params = st.stack_params(st.unstack_params(params, "model/h"), "model/h")
+    seq_params = {f"model/h/layer_{i}/block/linear": {"w": jnp.ones((8, 8))}
+                  for i in range(4)}
     params = st.stack_params(seq_params, "model/h", pattern="LLLG")  # -> h/L, h/G
 
   Args:

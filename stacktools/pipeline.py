@@ -52,13 +52,23 @@ class Pipeline:
 
   Example::
 
+    class Block(hk.Module):
+      def __call__(self, x):
+        return x + jnp.tanh(hk.Linear(x.shape[-1])(x))
+
+    def loss_fn(batch):
+      blocks = st.Stacked(Block, num_layers=32, remat="full", name="h",
+                          pipeline=st.Pipeline(axis="pipe", microbatches=8,
+                                               schedule="circular", repeats=2))
+      return jnp.mean(blocks.fold(batch) ** 2)
+
+    loss_fn = hk.without_apply_rng(hk.transform(loss_fn))
+    batch = jnp.ones((16, 8))
+    params = loss_fn.init(jax.random.PRNGKey(0), batch)   # init: no mesh needed
     mesh = jax.make_mesh((4, 2), ("pipe", "data"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    blocks = st.Stacked(Block, num_layers=32, remat="full", name="h",
-                        pipeline=st.Pipeline(axis="pipe", microbatches=8,
-                                             schedule="circular", repeats=2))
     with jax.set_mesh(mesh):
-      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+      loss, grads = jax.jit(jax.value_and_grad(loss_fn.apply))(params, batch)
 
   With no mesh at all, or a ``pipe`` axis of size 1, the stack runs as a
   plain stack: one model definition serves both. A mesh that lacks the axis
@@ -161,9 +171,9 @@ class Pipeline:
 
     Example::
 
-      st.Pipeline(microbatches=8).table(4).bubble                  # 3 / 11
-      st.Pipeline(microbatches=8, schedule="circular",
-                  repeats=2).table(4).bubble                       # 3 / 19
+      assert np.isclose(st.Pipeline(microbatches=8).table(4).bubble, 3 / 11)
+      assert np.isclose(st.Pipeline(microbatches=8, schedule="circular",
+                                    repeats=2).table(4).bubble, 3 / 19)
 
     Args:
       stages: P, the size of the pipe axis.
@@ -207,8 +217,8 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
 
   Example::
 
-    schedule(4, 8).bubble            # 3 / 11
-    schedule(4, 8, repeats=2).bubble  # 3 / 19
+    assert np.isclose(schedule(4, 8).bubble, 3 / 11)
+    assert np.isclose(schedule(4, 8, repeats=2).bubble, 3 / 19)
 
   Args:
     stages: P, the pipe axis size.

@@ -21,11 +21,9 @@ from stacktools import segments as segments_lib
 class RematPlan:
   """The chosen remat for every ``remat="auto"`` stack of a step.
 
-  Use it as a context while the step is traced, or wrap the step::
-
-    with plan:
-      compiled = jax.jit(step_fn).lower(*args).compile()
-    step = jax.jit(plan.wrap(step_fn))      # the plan applies whenever traced
+  Use it as a context while the step is traced, or wrap the step (as in
+  :func:`plan_remat`'s example): ``with plan: jax.jit(step_fn).lower(*args)``,
+  or ``jax.jit(plan.wrap(step_fn))``, which applies the plan whenever traced.
 
   Attributes:
     choice: stack key -> remat value.
@@ -56,8 +54,20 @@ class RematPlan:
 
     Example::
 
-      report = st.remat_report(train_step, params, batch, measure=True)
-      plan = st.RematPlan.from_report(report, budget="48MiB")
+      class Block(hk.Module):
+        def __call__(self, x):
+          h = st.checkpoint_name(jax.nn.gelu(hk.Linear(32)(x)), "mlp_hidden")
+          return x + hk.Linear(x.shape[-1])(h)
+
+      net = hk.without_apply_rng(hk.transform(
+          lambda x: st.Stacked(Block, num_layers=4, remat="auto", name="h").fold(x)))
+      batch = jnp.ones((8, 16))
+      params = net.init(jax.random.PRNGKey(0), batch)
+      train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
+
+      report = st.remat_report(train_step, params, batch, measure=True,
+                               only=["full", "nested"])
+      plan = RematPlan.from_report(report, budget="48MiB")
 
     Args:
       report: from :func:`stacktools.remat_report`.
@@ -119,9 +129,22 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
 
   Example::
 
-    plan = st.plan_remat(train_step, params, batch, budget="48MiB")
-    with plan:
+    class Block(hk.Module):
+      def __call__(self, x):
+        h = st.checkpoint_name(jax.nn.gelu(hk.Linear(32)(x)), "mlp_hidden")
+        return x + hk.Linear(x.shape[-1])(h)
+
+    net = hk.without_apply_rng(hk.transform(
+        lambda x: st.Stacked(Block, num_layers=4, remat="auto", name="h").fold(x)))
+    batch = jnp.ones((8, 16))
+    params = net.init(jax.random.PRNGKey(0), batch)
+    train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
+
+    plan = st.plan_remat(train_step, params, batch, budget="48MiB",
+                         only=["full", "nested", "save:mlp_hidden"])
+    with plan:                                # trace inside the plan ...
       step = jax.jit(train_step).lower(params, batch).compile()
+    step = jax.jit(plan.wrap(train_step))    # ... or wrap the step
     print(plan.report)
 
   Args:

@@ -62,6 +62,9 @@ def checkpoint_name(tree: T, name: str) -> T:
       h = st.checkpoint_name(jax.nn.gelu(x @ w), "mlp_hidden")
       return x + h @ w.T
 
+    policy = st.CheckpointPolicy(save_block_internals=["mlp_hidden"])
+    y = st.fold(block, remat=policy)(jnp.ones((2, 8)), jnp.full((4, 8, 16), 0.1))
+
   Args:
     tree: any pytree; its array leaves are tagged.
     name: the name a policy refers to.
@@ -144,8 +147,11 @@ class CheckpointPolicy:
 
   Example::
 
+    def block(x, w):
+      return x + st.checkpoint_name(jnp.tanh(x @ w), "attn_out")
+
     policy = st.CheckpointPolicy(save_block_internals=["attn_out"], nested=True)
-    y = st.fold(block, remat=policy)(x, params)
+    y = st.fold(block, remat=policy)(jnp.ones((2, 8)), jnp.full((16, 8, 8), 0.1))
 
   Attributes:
     save_carries: keep each step's carry on device (``True``) or in host
@@ -252,7 +258,7 @@ class CheckpointPolicy:
 
     Example::
 
-      st.CheckpointPolicy.from_remat("nested")  # CheckpointPolicy(nested=True)
+      assert st.CheckpointPolicy.from_remat("nested") == st.CheckpointPolicy(nested=True)
 
     Args:
       remat: ``False``/``None``/``"none"`` (no checkpointing), ``True``/
@@ -294,7 +300,7 @@ class CheckpointPolicy:
 
     Example::
 
-      st.CheckpointPolicy(nested=True).nested_split(61)   # (8, 7, 5)
+      assert st.CheckpointPolicy(nested=True).nested_split(61) == (8, 7, 5)
 
     Args:
       length: the number of steps.
@@ -497,7 +503,7 @@ def split_nested(length: int, nested: Union[bool, int, tuple[int, ...]], *,
 
   Example::
 
-    split_nested(61, True)   # (8, 7, 5): 8 chunks of 7 steps, then 5 steps
+    assert split_nested(61, True) == (8, 7, 5)   # 8 chunks of 7 steps, then 5 steps
 
   With ``nested=True`` the split minimises an estimate of the bytes the
   backward pass holds at its peak:
@@ -566,7 +572,7 @@ def three_levels(length: int) -> Optional[tuple[int, int]]:
 
   Example::
 
-    three_levels(64)   # (4, 4): 4 + 4 + 4 carries, where two levels keep 8 + 8
+    assert three_levels(64) == (4, 4)   # 4 + 4 + 4 carries against 8 + 8
 
   A third level costs one more forward pass, so it is offered (by the
   planner, see :func:`stacktools.report.candidates`) only where it keeps at

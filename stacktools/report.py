@@ -55,7 +55,7 @@ def parse_bytes(budget: Union[int, str]) -> int:
 
   Example::
 
-    stacktools.report.parse_bytes("1.5GiB")   # 1610612736
+    assert parse_bytes("1.5GiB") == 1610612736
 
   Args:
     budget: bytes as an int, or a number with a unit (B, KB, MB, GB, KiB,
@@ -175,9 +175,10 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
 
   Example::
 
-    candidates(StackInfo("h", 8, ("mlp_hidden",)))
+    found = candidates(StackInfo("h", 8, ("mlp_hidden",)))
     # {"none": ..., "full": ..., ..., "save:mlp_hidden": ...,
     #  "none:2,full:6": per_depth(...), ...}
+    assert {"full", "save:mlp_hidden", "none:2,full:6"} <= set(found)
 
   Args:
     stack: the stack, as :func:`discover` found it.
@@ -291,7 +292,19 @@ class RematReport:
 
     Example::
 
-      report = st.remat_report(train_step, params, batch, measure=True)
+      class Block(hk.Module):
+        def __call__(self, x):
+          h = st.checkpoint_name(jax.nn.gelu(hk.Linear(32)(x)), "mlp_hidden")
+          return x + hk.Linear(x.shape[-1])(h)
+
+      net = hk.without_apply_rng(hk.transform(
+          lambda x: st.Stacked(Block, num_layers=4, remat="auto", name="h").fold(x)))
+      batch = jnp.ones((8, 16))
+      params = net.init(jax.random.PRNGKey(0), batch)
+      train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
+
+      report = st.remat_report(train_step, params, batch, measure=True,
+                               only=["full", "nested"])
       plan = report.plan(budget="48MiB")
       with plan:
         step = jax.jit(train_step).lower(params, batch).compile()
@@ -412,7 +425,19 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
 
   Example::
 
-    report = st.remat_report(train_step, params, batch)
+    class Block(hk.Module):
+      def __call__(self, x):
+        h = st.checkpoint_name(jax.nn.gelu(hk.Linear(32)(x)), "mlp_hidden")
+        return x + hk.Linear(x.shape[-1])(h)
+
+    net = hk.without_apply_rng(hk.transform(
+        lambda x: st.Stacked(Block, num_layers=4, remat="auto", name="h").fold(x)))
+    batch = jnp.ones((8, 16))
+    params = net.init(jax.random.PRNGKey(0), batch)
+    train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
+
+    report = st.remat_report(train_step, params, batch,
+                             only=["full", "nested", "save:mlp_hidden"])  # or every candidate
     print(report)        # plan, temp MiB, GFLOPs, XLA's cost analysis
 
   Args:

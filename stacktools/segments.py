@@ -115,9 +115,14 @@ def per_depth(*segments: Union[tuple[int, policy_lib.RematSpec], str]) -> PerDep
 
   Example::
 
+    class Block(hk.Module):
+      def __call__(self, x):
+        return x + jnp.tanh(hk.Linear(x.shape[-1])(x))
+
     remat = st.per_depth((16, "none"), (48, "full"))   # keep all in 16 layers
     blocks = st.Stacked(Block, num_layers=64, remat=remat, name="h")
-    st.per_depth("none:16,full:48")                     # the same, from a flag
+    x = blocks.fold(jnp.ones((2, 8)))
+    assert st.per_depth("none:16,full:48") == remat     # the same, from a flag
 
   ``str()`` of the result is the string form, so it round-trips through a flag.
 
@@ -163,7 +168,7 @@ def parse_per_depth(spec: str) -> PerDepth:
 
   Example::
 
-    parse_per_depth("none:16,full:48")   # what st.per_depth("none:16,full:48") does
+    assert parse_per_depth("none:16,full:48") == per_depth((16, "none"), (48, "full"))
 
   Args:
     spec: comma-separated ``alias:num_layers`` pairs.

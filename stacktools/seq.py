@@ -67,8 +67,12 @@ class BlockSeq(_layers.StackModule):
 
   Example::
 
-    seq = st.BlockSeq(lambda: Block(cfg), num_layers=12, remat="full", name="h")
-    x = seq.fold(x, mask)
+    class Block(hk.Module):
+      def __call__(self, x, mask):
+        return x + mask * jnp.tanh(hk.Linear(x.shape[-1])(x))
+
+    seq = st.BlockSeq(Block, num_layers=12, remat="full", name="h")
+    x = seq.fold(jnp.ones((2, 8)), jnp.ones((2, 8)))   # params: h/layer_<i>/...
 
   With ``pattern=`` it is the twin of a mixed-layer :class:`Stacked`: layer
   ``i`` is of kind ``pattern[i % len(pattern)]`` and lives under

@@ -39,7 +39,7 @@ def num_layer_axes(module: str, stacked: Sequence[str]) -> int:
 
   Example::
 
-    num_layer_axes("model/h/block/linear", ["model/h"])   # 1
+    assert num_layer_axes("model/h/block/linear", ["model/h"]) == 1
 
   Args:
     module: a Haiku module name, e.g. ``"model/h/block/linear"``.
@@ -58,8 +58,8 @@ def fsdp_spec(shape: Sequence[int], layer_axes: int, fsdp_size: int,
 
   Example::
 
-    fsdp_spec((12, 128, 512), layer_axes=1, fsdp_size=4)
-    # PartitionSpec(None, None, 'fsdp')
+    assert fsdp_spec((12, 128, 512), layer_axes=1, fsdp_size=4) == (
+        PartitionSpec(None, None, 'fsdp'))
 
   Args:
     shape: the array's shape.
@@ -95,6 +95,10 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
 
   Example::
 
+    from jax.sharding import NamedSharding
+
+    params = {"model/h/block/fc": {"w": jnp.ones((12, 16, 64))},
+              "model/head": {"w": jnp.ones((16, 8))}}
     mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
     specs = st.stacked_partition_specs(params, mesh, stacked=["model/h"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -119,11 +123,13 @@ def stacked_partition_specs(tree: PyTree, mesh: Optional[jax.sharding.Mesh] = No
 
   Example, pipelined::
 
+    params = {"model/h/block/fc": {"w": jnp.ones((12, 16, 64))}}
     mesh = jax.make_mesh((4, 2), ("pipe", "fsdp"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     specs = st.stacked_partition_specs(params, mesh, stacked=["model/h"],
                                        pipelined=["model/h"])
-    # model/h/block/fc/w [L, d, 4d]: PartitionSpec('pipe', None, 'fsdp')
+    fc = specs["model/h/block/fc"]            # w: [L, d, 4d]
+    assert fc["w"] == PartitionSpec('pipe', None, 'fsdp')
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tree``.

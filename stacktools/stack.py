@@ -144,10 +144,24 @@ class Stacked(_layers.StackModule):
 
   Example::
 
-    blocks = st.Stacked(lambda: Block(cfg), num_layers=12, remat="nested",
+    class Block(hk.Module):
+      def __init__(self, width, name=None):
+        super().__init__(name=name)
+        self.width = width
+
+      def __call__(self, x, mask):             # a fold block returns x
+        return x + mask * hk.Linear(self.width)(x)
+
+    blocks = st.Stacked(lambda: Block(8), num_layers=12, remat="nested",
                         name="h")
-    x = blocks.fold(x, mask)                    # fold block: returns x
-    x, ys = blocks.scan(x, st.per_layer(cache)) # scan block: returns (x, y)
+    x = blocks.fold(jnp.ones((2, 8)), jnp.ones((2, 8)))   # mask: broadcast
+
+    class Cached(hk.Module):                   # a scan block returns (x, y)
+      def __call__(self, x, cache):
+        return x + hk.Linear(8)(cache), x
+
+    cache = jnp.ones((12, 2, 8))                # [num_layers, ...]
+    x, ys = st.Stacked(Cached, 12, name="c").scan(x, st.per_layer(cache))
 
   A mixed-layer stack takes one factory per kind and the ``pattern`` of
   kinds that repeats (a depth the period does not divide ends with the
@@ -288,11 +302,12 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
     def f(x):
       return jax.nn.relu(hk.Linear(64)(x))
 
-    x = st.layer_stack(12, remat="full")(f)(x)
+    x = st.layer_stack(12, remat="full")(f)(jnp.ones((2, 64)))
 
     def g(x, y):          # with_per_layer_inputs=True: (x, *ys) -> (x, z)
       return x + y, jnp.sum(x)
 
+    ys = jnp.ones((12, 64))
     x, zs = st.layer_stack(12, with_per_layer_inputs=True)(g)(x, ys)
 
   Args:

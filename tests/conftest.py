@@ -17,3 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = fast_compile.with_flags(os.environ.get("XLA_FLAGS", ""))
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Counts the doc examples the run ran (tests/docs_test.py), if any."""
+  doc_examples = sys.modules.get("doc_examples")
+  if doc_examples is not None and any(doc_examples.COUNTS.values()):
+    counts = doc_examples.COUNTS
+    terminalreporter.write_line(
+        f"doc examples: {sum(counts.values())} blocks run "
+        f"({counts['page blocks']} from README.md and docs/, "
+        f"{counts['docstring blocks']} from docstrings)")

@@ -347,15 +347,6 @@ def test_nested_split_int(n, nested, want):
   assert nested_split(n, nested) == want
 
 
-def test_nested_split_docstring_example_holds():
-  doc = st.CheckpointPolicy.nested_split.__doc__
-  match = re.search(r"CheckpointPolicy\(nested=True\)\.nested_split\((\d+)\)"
-                    r"\s*#\s*\((\d+), (\d+), (\d+)\)", doc)
-  assert match, doc
-  n, *want = (int(g) for g in match.groups())
-  assert nested_split(n, True) == tuple(want)
-
-
 def test_nested_split_rejects_empty_loop():
   with pytest.raises(ValueError, match="length >= 1"):
     nested_split(0, True)
