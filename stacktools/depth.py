@@ -309,6 +309,12 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
     layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, len(picks))
     _check_kinds(picks, layout)
     scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
+  if fresh is not False and pattern is None and set(fresh) != set(inside):
+    only = sorted(set(fresh) ^ set(inside))[0]
+    raise ValueError(
+        f"take_layers: {only} is in {'new=' if only in fresh else 'params'} but not in "
+        f"{'params' if only in fresh else 'new='}; new= must be the same stack at "
+        "another depth, in the same layout (pattern= for a mixed-layer stack).")
   fresh_groups = {} if fresh is False else params_lib.layer_groups(fresh, prefix, pattern)
   _check_fresh(picks, fresh, sum(len(ids) for _, ids in fresh_groups.values()), prefix)
   # A layer's row in its scope's arrays, old and fresh.
