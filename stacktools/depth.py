@@ -55,6 +55,7 @@ def take_layers(params: Bundle, name: str, indices: Indices, *,
 
   Example::
 
+    from stacktools import depth
     params = st.take_layers(params, "model/h", [0, 1, 2, 5])        # prune to 4
     params = st.take_layers(params, "model/h", depth.repeat(6, 12))  # 0 0 1 1 ...
     grown = model_12.init(key, x)                                    # a fresh init
