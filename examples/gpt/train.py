@@ -61,6 +61,8 @@ from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at
 SAVES_NAMES = ("full", "nested", "offload")
 #: --window when --pattern has L layers and no --window is given.
 DEFAULT_WINDOW = 32
+#: The --depth_map values that name a scheme (the others list blocks: take:...).
+DEPTH_MAPS = ("repeat", "stack", "zero_new")
 #: The flags that say what the parameters mean: a --resume must give the
 #: checkpoint's values (its config records them under the same names).
 MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "window",
@@ -150,7 +152,7 @@ _DEPTH_MAP = flags.DEFINE_string(
     "repeat, stack and zero_new move whole periods. Default: the same blocks.")
 _INIT_OPT_STATE = flags.DEFINE_enum(
     "init_opt_state", "fresh", ("fresh", "mapped"), "With --init_from: fresh (a "
-    "new run from step 0 with a new optimizer state), or mapped (the checkpoint's "
+    "new run from its first step, with a new optimizer state), or mapped (the checkpoint's "
     "optimizer state, its blocks' rows mapped as the parameters are, and its step, "
     "schedule and data order: the run goes on from that step, e.g. deeper).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1)
@@ -302,14 +304,12 @@ def _check_layer_rules(f: dict[str, Any]) -> bool:
 
 flags.register_multi_flags_validator(
     ["freeze_layers", "layer_lr_decay", "num_layers", "stack"], _check_layer_rules)
-DEPTH_MAPS = ("repeat", "stack", "zero_new")
 
 
 def _check_init_from(f: dict[str, Any]) -> bool:
   if f["init_from"] is None:
-    given = [n for n in ("depth_map",) if f[n] is not None]
-    if f["init_opt_state"] != "fresh":
-      given.append("init_opt_state")
+    given = (["depth_map"] if f["depth_map"] is not None else []) + (
+        ["init_opt_state"] if f["init_opt_state"] != "fresh" else [])
     if given:
       raise flags.ValidationError(f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
                                   "--init_from=DIR, the run to start from.")
