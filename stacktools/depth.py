@@ -402,6 +402,12 @@ def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
     fresh_layers = _blockseq_layers(fresh, prefix)
   _check_fresh(picks, fresh, len(fresh_layers), prefix)
   named = _Zero(zero)
+  for layer in fresh_layers.values():   # every entry must name some leaf
+    for rest, bundle in layer.items():
+      for name in bundle:
+        named(rest.lstrip("/"), name)
+  named.check_used(prefix, {rest.lstrip("/") for layer in fresh_layers.values()
+                            for rest in layer})
   out = {}
   for p, i in enumerate(picks):
     modules = layers[i] if i is not None else fresh_layers[p]
@@ -416,9 +422,6 @@ def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
         if old is not None and name in old:
           _check_same(key, name, leaf, old[name], 0)
         out[key][name] = _xp(leaf).zeros_like(leaf) if named(rest.lstrip("/"), name) else leaf
-  if fresh is not False:
-    named.check_used(prefix, {rest.lstrip("/") for layer in fresh_layers.values()
-                              for rest in layer})
   return out
 
 

@@ -311,3 +311,12 @@ def test_new_from_another_model_is_refused():
   with pytest.raises(ValueError, match=r"new= model/h/block/fc/[wb] is float32\[(4, )?5\] per "
                      r"layer but params' is float32\[(4, )?8\]"):
     st.take_layers(params, "model/h", [0, None], new=other)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "blockseq"])
+def test_zero_without_fresh_layers_changes_nothing(layout):
+  params, new = _init(3)[0], _init(3, seed=1)[0]
+  if layout == "blockseq":
+    params, new = (st.unstack_params(p, "model/h") for p in (params, new))
+  got = st.take_layers(params, "model/h", [1, 0, 2], new=new, zero=("out",))
+  _assert_equal(got, st.take_layers(params, "model/h", [1, 0, 2]))
