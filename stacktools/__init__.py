@@ -3,6 +3,7 @@
 from stacktools._kinds import per_kind
 from stacktools._layers import layer_index
 from stacktools._layers import per_layer
+from stacktools.depth import take_layers
 from stacktools.loops import fold
 from stacktools.loops import map  # pylint: disable=redefined-builtin
 from stacktools.loops import scan
@@ -52,5 +53,6 @@ __all__ = (
     "scan",
     "stack_params",
     "stacked_partition_specs",
+    "take_layers",
     "unstack_params",
 )

@@ -27,6 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import decode  # pylint: disable=wrong-import-position
+from benchmarks import depth_edits  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
@@ -131,6 +132,22 @@ def test_layer_rules_quick(tmp_path):
     assert _positive_number(drop["median_s"][name]), name
   assert _positive_number(result["summary"]["drop_step_time_ratio"])
   assert result["summary"]["best"] in layer_rules.OPTIMIZERS
+
+
+def test_depth_edits_quick(tmp_path):
+  result = _run(depth_edits, tmp_path)
+  arms = result["arms"]
+  for name in depth_edits.ARMS:
+    assert arms[name]["curve"][-1][0] == arms[name]["steps"], name
+    assert _positive_number(arms[name]["final_valid_loss"]), name
+    assert [r["layer"] for r in result["pruning"][name]["rows"]] == [0, 1, 2, 3]
+  # Equal compute, within one step of the 4-layer model.
+  assert abs(arms["progressive"]["curve"][-1][1] - arms["scratch"]["curve"][-1][1]) <= 1
+  grow = arms["progressive"]["events"]
+  assert grow["grow_step"] == result["config"]["grow_at"]
+  assert grow["valid_loss_after"] == pytest.approx(grow["valid_loss_before"], rel=1e-6)
+  assert 0 < result["summary"]["flops_ratio_2_over_4"] < 1
+  assert _positive_number(result["summary"]["seconds_ratio"])
 
 
 def test_remat_plan_quick(tmp_path):

@@ -21,6 +21,10 @@ name and renamed when every process has finished, so a run killed at any
 point leaves its last committed step intact; the next start removes the
 unfinished folder. ``keep`` rotates old steps away.
 
+:func:`restore_across_depth` reads a checkpoint into a model of another depth
+(``st.take_layers`` on the stack's layers, and on the matching rows of the
+optimizer state when that is carried over).
+
 Nothing here is read with pickle. :func:`latest` reads the metadata without
 JAX, so that ``train.py --resume`` can check it before the processes join.
 :func:`export_npz` writes one ``.npz`` of host arrays for inspection without
@@ -41,6 +45,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+import stacktools as st
 from examples.gpt import files
 
 
@@ -396,6 +401,147 @@ def read_arrays(workdir: str, step: Optional[int] = None,
   finally:
     handler.close()
   return {k: np.asarray(v) for k, v in flatten(restored).items()}
+
+
+def restore_across_depth(workdir: str, step: int, fresh_params: Any,
+                         fresh_opt_state: Optional[Any] = None, *, stack: str,
+                         indices: list[Optional[int]], pattern: Optional[tuple[str, ...]] = None,
+                         zero: tuple[str, ...] = ()) -> tuple[Any, Any]:
+  """Reads ``step`` of ``workdir`` into a model whose stack has another depth.
+
+  Layer ``p`` of the stack ``stack`` is the checkpoint's layer
+  ``indices[p]``, or layer ``p`` of ``fresh_params`` where it is ``None``
+  (with the leaves ``zero`` names set to zero: see ``st.take_layers``); the
+  other parameters are the checkpoint's. Nothing is unstacked: one gather
+  per stacked leaf, on the host. Nothing is written.
+
+  Example::
+
+    params, opt_state = restore_across_depth(
+        "workdir/gpt2", 200, fresh_params, fresh_opt_state, stack="h",
+        indices=depth.insert_new(2, 4), zero=model.RESIDUAL_OUTPUTS)
+
+  Args:
+    workdir: the earlier run's folder.
+    step: a committed step of it (see :func:`latest`).
+    fresh_params: the new model's params from a fresh init (host or device
+      arrays): the tree, shapes and fresh layers of the result.
+    fresh_opt_state: the new optimizer's state from a fresh init to map the
+      checkpoint's optimizer state into (see :func:`map_opt_state`), or
+      None to leave the optimizer state out.
+    stack: the stack's full module name.
+    indices, pattern, zero: as ``st.take_layers`` takes them.
+
+  Returns:
+    ``(params, opt_state)`` as host numpy arrays in the trees of the fresh
+    ones (``opt_state`` None when ``fresh_opt_state`` is).
+
+  Raises:
+    CheckpointError: unreadable, or written by another model or optimizer.
+    ValueError: ``st.take_layers``' own, for indices, a pattern or a stack
+      name that do not fit the checkpoint (one line).
+  """
+  saved = read_arrays(workdir, step, "params")
+  params = map_params(saved, jax.device_get(fresh_params), stack=stack, indices=indices,
+                      pattern=pattern, zero=zero)
+  opt_state = None
+  if fresh_opt_state is not None:
+    opt_state = map_opt_state(read_arrays(workdir, step, "opt_state"),
+                              jax.device_get(fresh_opt_state), stack=stack,
+                              indices=indices, pattern=pattern)
+  return params, opt_state
+
+
+def map_params(saved: dict[str, Any], fresh: Any, *, stack: str,
+               indices: list[Optional[int]], pattern: Optional[tuple[str, ...]] = None,
+               zero: tuple[str, ...] = ()) -> Any:
+  """Saved params (:func:`flatten`'s keys) at another depth, in ``fresh``'s tree.
+
+  ``st.take_layers`` on the stack, the rest as saved; checked against
+  ``fresh``'s names, shapes and dtypes (CheckpointError otherwise).
+  """
+  bundles: dict[str, dict[str, Any]] = {}
+  for key, value in saved.items():
+    module, name = key.rsplit("/", 1)
+    bundles.setdefault(module, {})[name] = value
+  mapped = st.take_layers(bundles, stack, indices, pattern=pattern, new=fresh, zero=zero)
+  return _unflatten_like(fresh, {f"{m}/{n}": v for m, b in mapped.items() for n, v in b.items()},
+                         "parameter", "model flags (e.g. --d_model, --pattern, --bias)")
+
+
+def map_opt_state(saved: dict[str, Any], fresh: Any, *, stack: str,
+                  indices: list[Optional[int]],
+                  pattern: Optional[tuple[str, ...]] = None) -> Any:
+  """Saved optimizer state at another depth, in ``fresh``'s tree.
+
+  Every leaf whose path holds the stack's name is a row-per-layer leaf of
+  it: an AdamW moment (``1/0/mu/h/block/fc/w``), or a leaf of
+  ``st.over_layers``' per-layer state (``layers/h/0/count``). Those of one
+  path before the stack's name are taken together with ``st.take_layers``
+  (``fresh``'s rows for fresh layers); every other leaf (step counts, the
+  moments of the embeddings) is the checkpoint's.
+
+  Raises:
+    CheckpointError: the saved state has other leaves than ``fresh`` has
+      (another optimizer, or other --freeze_layers/--layer_lr_decay flags).
+  """
+  def split(flat: dict[str, Any]) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, Any]]:
+    stacked: dict[str, dict[str, dict[str, Any]]] = {}
+    rest = {}
+    for key, value in flat.items():
+      at = _stack_start(key, stack)
+      if at is None:
+        rest[key] = value
+        continue
+      module, name = key[at:].rsplit("/", 1)
+      stacked.setdefault(key[:at], {}).setdefault(module, {})[name] = value
+    return stacked, rest
+
+  saved_stacked, out = split(saved)
+  fresh_stacked, _ = split(flatten(fresh))
+  for before, bundle in fresh_stacked.items():
+    if before not in saved_stacked:
+      raise CheckpointError(
+          f"the checkpoint's optimizer state has no {before}{stack}/...: it was written "
+          "with another optimizer (or other --optimizer, --freeze_layers or "
+          "--layer_lr_decay flags); pass --init_opt_state=fresh.")
+    mapped = st.take_layers(saved_stacked[before], stack, indices, pattern=pattern, new=bundle)
+    out.update({f"{before}{m}/{n}": v for m, b in mapped.items() for n, v in b.items()})
+  return _unflatten_like(fresh, out, "optimizer state leaf",
+                         "optimizer flags (--optimizer, --freeze_layers, --layer_lr_decay); "
+                         "pass --init_opt_state=fresh")
+
+
+def _stack_start(key: str, stack: str) -> Optional[int]:
+  """Where the path segments ``stack/`` start in ``key``, or None."""
+  if key.startswith(stack + "/"):
+    return 0
+  at = key.find("/" + stack + "/")
+  return None if at < 0 else at + 1
+
+
+def _unflatten_like(fresh: Any, flat: dict[str, Any], what: str, flags: str) -> Any:
+  """``fresh``'s tree with the leaves of ``flat`` (by :func:`flatten`'s keys), checked."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(fresh)
+  leaves = []
+  for path, want in paths:
+    key = _key(path)
+    if key not in flat:
+      raise CheckpointError(f"the checkpoint has no {what} {key}: it was written with "
+                            f"other {flags}.")
+    got = flat[key]
+    if np.shape(got) != np.shape(want) or np.dtype(got.dtype) != np.dtype(want.dtype):
+      raise CheckpointError(
+          f"the checkpoint's {what} {key} maps to {np.dtype(got.dtype)}{list(np.shape(got))} "
+          f"but the model needs {np.dtype(want.dtype)}{list(np.shape(want))}: it was "
+          f"written with other {flags}.")
+    leaves.append(np.asarray(got))
+  extra = sorted(set(flat) - {_key(p) for p, _ in paths})
+  if extra:
+    raise CheckpointError(f"the checkpoint has {what}s the model lacks ({', '.join(extra[:3])}"
+                          f"{', ...' if len(extra) > 3 else ''}): it was written with other "
+                          f"{flags}.")
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def export_npz(path: str, params: Any) -> str:

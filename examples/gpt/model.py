@@ -64,6 +64,12 @@ KEPT_MATMUL_OUTPUTS = ("qkv", "attn_mix", "attn_out", "mlp_pre")
 #: The kinds of a pattern: a letter of --pattern, and the name its parameters
 #: live under (``h/local/...``, ``h/global/...``).
 KINDS = {"L": "local", "G": "global"}
+#: The block's residual-branch outputs: the two linear layers whose outputs
+#: are added to the residual stream. A block whose weights (and biases) there
+#: are zero adds nothing: it is the identity, so a stack grown with such
+#: blocks computes what it did (``st.take_layers(..., zero=RESIDUAL_OUTPUTS)``,
+#: ``train.py --depth_map=zero_new``).
+RESIDUAL_OUTPUTS = ("attn/proj", "fc_out")
 Cache = dict[str, jax.Array]
 
 

@@ -7,6 +7,10 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
   python examples/gpt/train.py --remat=auto --memory_budget=24MiB  # planned
   python examples/gpt/train.py --optimizer=muon --layer_lr_decay=0.8 --freeze_layers=0:1 --layer_drop=0.1
+  # Fine-tune an earlier run's parameters; or grow its 2 layers to 4 and go on:
+  python examples/gpt/train.py --init_from=workdir/gpt --freeze_layers=0:2 --workdir=workdir/tuned
+  python examples/gpt/train.py --init_from=workdir/gpt2 --num_layers=4 --depth_map=zero_new \
+      --init_opt_state=mapped --workdir=workdir/gpt4
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
@@ -45,6 +49,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import stacktools as st  # pylint: disable=g-import-not-at-top
+from stacktools import depth  # pylint: disable=g-import-not-at-top
 from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
@@ -56,6 +61,8 @@ from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at
 SAVES_NAMES = ("full", "nested", "offload")
 #: --window when --pattern has L layers and no --window is given.
 DEFAULT_WINDOW = 32
+#: The --depth_map values that name a scheme (the others list blocks: take:...).
+DEPTH_MAPS = ("repeat", "stack", "zero_new")
 #: The flags that say what the parameters mean: a --resume must give the
 #: checkpoint's values (its config records them under the same names).
 MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "window",
@@ -132,6 +139,22 @@ _LAYER_DROP = flags.DEFINE_float(
     "layer_drop", 0.0, "Stochastic depth while training: the last block's drop "
     "rate, linear in depth (block i of L skips with probability rate * (i + 1) / L); "
     "evaluation and sampling run every block. 0: none.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "An earlier run's --workdir: start from the parameters of its "
+    "latest checkpoint (fine-tuning), at this run's --num_layers through "
+    "--depth_map. The other model flags must be that run's.")
+_DEPTH_MAP = flags.DEFINE_string(
+    "depth_map", None, "With --init_from, how its N blocks become this run's "
+    "--num_layers: repeat (each block in place: 0 0 1 1), stack (the whole stack "
+    "again: 0 1 0 1), zero_new (fresh blocks after the old ones, their residual "
+    "outputs zero: the model computes what it did), or take:I,J,... (the blocks to "
+    "keep, in order; 'new' for a fresh one), e.g. take:0,1,2,5. With --pattern, "
+    "repeat, stack and zero_new move whole periods. Default: the same blocks.")
+_INIT_OPT_STATE = flags.DEFINE_enum(
+    "init_opt_state", "fresh", ("fresh", "mapped"), "With --init_from: fresh (a "
+    "new run from its first step, with a new optimizer state), or mapped (the checkpoint's "
+    "optimizer state, its blocks' rows mapped as the parameters are, and its step, "
+    "schedule and data order: the run goes on from that step, e.g. deeper).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1)
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.")
@@ -281,6 +304,63 @@ def _check_layer_rules(f: dict[str, Any]) -> bool:
 
 flags.register_multi_flags_validator(
     ["freeze_layers", "layer_lr_decay", "num_layers", "stack"], _check_layer_rules)
+
+
+def _check_init_from(f: dict[str, Any]) -> bool:
+  if f["init_from"] is None:
+    given = (["depth_map"] if f["depth_map"] is not None else []) + (
+        ["init_opt_state"] if f["init_opt_state"] != "fresh" else [])
+    if given:
+      raise flags.ValidationError(f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                                  "--init_from=DIR, the run to start from.")
+    return True
+  if f["resume"]:
+    raise flags.ValidationError(
+        "--init_from starts a new run from another run's checkpoint and --resume "
+        "continues this --workdir's: pass one of them.")
+  text = f["depth_map"]
+  if text is not None and text not in DEPTH_MAPS:
+    body = text[len("take:"):] if text.startswith("take:") else None
+    if body is None or not all(p == "new" or p.isdigit() for p in body.split(",")):
+      raise flags.ValidationError(
+          f"--depth_map={text!r} must be one of {', '.join(DEPTH_MAPS)} or take:I,J,... "
+          "(block indices of --init_from's run, 'new' for a fresh block), e.g. take:0,1,2,5.")
+  return True
+
+
+flags.register_multi_flags_validator(
+    ["init_from", "depth_map", "init_opt_state", "resume"], _check_init_from)
+
+
+def depth_indices(depth_map: Optional[str], old: int, new: int, period: int
+                  ) -> tuple[list[Optional[int]], tuple[str, ...]]:
+  """``--depth_map`` as ``st.take_layers``' indices and ``zero=``, for a stack
+  of ``old`` blocks becoming one of ``new``.
+
+  Raises:
+    ValueError: one line, when the map does not fit the depths.
+  """
+  if depth_map is None:
+    if old != new:
+      raise ValueError(f"its checkpoint has {old} blocks and --num_layers={new}: pass "
+                       f"--depth_map ({', '.join(DEPTH_MAPS)} or take:I,J,...) to say "
+                       f"which blocks go where, or --num_layers={old}.")
+    return list(range(old)), ()
+  if depth_map.startswith("take:"):
+    indices = [None if p == "new" else int(p) for p in depth_map[len("take:"):].split(",")]
+    if len(indices) != new:
+      raise ValueError(f"--depth_map={depth_map} lists {len(indices)} blocks but "
+                       f"--num_layers={new}; list one index per block.")
+    return indices, ()
+  if new < old:
+    raise ValueError(f"--depth_map={depth_map} grows the stack, but --num_layers={new} "
+                     f"is less than its {old} blocks: to keep some, list them, e.g. "
+                     f"--depth_map=take:{','.join(map(str, range(new)))}.")
+  helper = {"repeat": depth.repeat, "stack": depth.tile, "zero_new": depth.insert_new}[depth_map]
+  zero = model_lib.RESIDUAL_OUTPUTS if depth_map == "zero_new" else ()
+  return helper(old, new, period), zero
+
+
 flags.register_multi_flags_validator(
     ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
     message="--stop_after must be at most --steps.")
@@ -597,15 +677,17 @@ def check_workdir(workdir: str) -> None:
 
 
 def check_model_flags(saved: dict[str, Any], cfg: model_lib.GPTConfig,
-                      workdir: str) -> None:
+                      workdir: str, flag: str = "--resume", depth_too: bool = True) -> None:
   """Exits with one line if a --resume run's MODEL_FLAGS differ from the
-  checkpoint's.
+  checkpoint's (an --init_from run's, ``flag``, but --num_layers when not
+  ``depth_too``).
 
   Some (--num_heads, --window) leave every parameter's shape as it was: the
   checkpoint would load and train on as another model, silently.
   """
   differ = [name for name in MODEL_FLAGS
-            if name in saved and saved[name] != getattr(cfg, name)]
+            if name in saved and saved[name] != getattr(cfg, name)
+            and (depth_too or name != "num_layers")]
   if "pattern" in differ and "window" in differ:   # a window is its pattern's
     differ.remove("window")
   if not differ:
@@ -616,14 +698,16 @@ def check_model_flags(saved: dict[str, Any], cfg: model_lib.GPTConfig,
       return f"--{'' if value else 'no'}{name}"
     return f"--{name}={value if value != '' else repr(value)}"
 
-  sys.exit(f"error: --resume: the checkpoint in {workdir!r} was trained with "
+  names = [n for n in MODEL_FLAGS if depth_too or n != "num_layers"]
+  sys.exit(f"error: {flag}: the checkpoint in {workdir!r} was trained with "
            f"{' '.join(show(n, saved[n]) for n in differ)}, but this run has "
            f"{' '.join(show(n, getattr(cfg, n)) for n in differ)}; the flags "
-           f"{', '.join('--' + n for n in MODEL_FLAGS)} must be the checkpoint's. "
-           "Pass its values, or a new --workdir to start afresh.")
+           f"{', '.join('--' + n for n in names)} must be the checkpoint's. "
+           f"Pass its values{', or a new --workdir to start afresh' if flag == '--resume' else ''}.")
 
 
-def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str) -> None:
+def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str,
+                flag: str = "--resume") -> None:
   """Exits with one line if the corpus's characters are not the checkpoint's.
 
   Ids are indices into the sorted character set: with another set the
@@ -639,11 +723,65 @@ def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str) -> None:
     shown = "".join(chars[:10])
     return f"{len(chars)} ({shown!r}{', ...' if len(chars) > 10 else ''})" if chars else "0"
 
-  sys.exit(f"error: --resume: the corpus's characters differ from those of the "
+  sys.exit(f"error: {flag}: the corpus's characters differ from those of the "
            f"checkpoint in {workdir!r}: {some(only_corpus)} only in the corpus, "
            f"{some(only_checkpoint)} only in the checkpoint, so ids would stand "
            "for other characters. Pass the --data_path the checkpoint was "
-           "trained on, or a new --workdir to start afresh.")
+           f"trained on{', or a new --workdir to start afresh' if flag == '--resume' else ''}.")
+
+
+def check_init_from(init_step: int, init_meta: dict[str, Any], cfg: model_lib.GPTConfig
+                    ) -> tuple[list[Optional[int]], tuple[str, ...]]:
+  """Exits with one line unless --init_from's checkpoint fits this run's flags.
+
+  Returns:
+    ``(indices, zero)`` for ``st.take_layers``: --depth_map at these depths.
+  """
+  saved = init_meta.get("config", {})
+  check_model_flags(saved, cfg, _INIT_FROM.value, "--init_from", depth_too=False)
+  old = saved.get("num_layers", cfg.num_layers)
+  try:
+    init_map = depth_indices(_DEPTH_MAP.value, old, cfg.num_layers, len(cfg.pattern) or 1)
+  except ValueError as e:
+    sys.exit(f"error: --init_from={_INIT_FROM.value!r}: {e}")
+  last = _STEPS.value if _STOP_AFTER.value is None else _STOP_AFTER.value
+  if _INIT_OPT_STATE.value == "mapped" and init_step >= last:
+    sys.exit(f"error: --init_opt_state=mapped goes on from step {init_step} of "
+             f"--init_from={_INIT_FROM.value!r}, but this run ends at step {last}: "
+             "raise --steps (the schedule's length), or use --init_opt_state=fresh.")
+  return init_map
+
+
+def restore_init_from(init_step: int, init_map: tuple[list[Optional[int]], tuple[str, ...]],
+                      cfg: model_lib.GPTConfig, params: Any,
+                      optimizer: optax.GradientTransformation, param_shardings: Any,
+                      opt_shardings: Any) -> tuple[Any, Optional[Any]]:
+  """--init_from's parameters (and, mapped, optimizer state) at this depth.
+
+  ``params`` is this run's fresh init: its blocks fill the map's fresh
+  layers. Every process reads the whole checkpoint on its host and keeps the
+  shards of its devices.
+
+  Returns:
+    ``(params, opt_state)``; ``opt_state`` None with --init_opt_state=fresh.
+  """
+  indices, zero = init_map
+  mapped = _INIT_OPT_STATE.value == "mapped"
+  fresh_opt = (distributed.to_host(jax.jit(optimizer.init)(params)) if mapped else None)
+  try:
+    host_params, host_opt = checkpoint.restore_across_depth(
+        _INIT_FROM.value, init_step, distributed.to_host(params), fresh_opt, stack="h",
+        indices=indices, pattern=tuple(model_lib.KINDS[c] for c in cfg.pattern) or None,
+        zero=zero)
+  except checkpoint.CheckpointError as e:
+    sys.exit(f"error: --init_from={_INIT_FROM.value!r}: {e}")
+  except ValueError as e:
+    sys.exit(f"error: --init_from={_INIT_FROM.value!r} --depth_map={_DEPTH_MAP.value}: {e}")
+  logging.info("Initialized from %s, step %d: blocks %s (None: fresh%s); optimizer "
+               "state %s.", _INIT_FROM.value, init_step, indices,
+               ", residual outputs zero" if zero else "", _INIT_OPT_STATE.value)
+  return (distributed.put_tree(host_params, param_shardings),
+          distributed.put_tree(host_opt, opt_shardings) if mapped else None)
 
 
 @dataclasses.dataclass
@@ -709,6 +847,15 @@ def set_up(argv) -> Run:
     sys.exit(f"error: --workdir={workdir!r} holds the checkpoints of an earlier run "
              f"(steps {', '.join(map(str, steps))}); pass --resume to continue it, "
              "or a new --workdir to start afresh.")
+  init_step, init_meta = 0, None
+  if _INIT_FROM.value is not None:
+    try:
+      init_step, init_meta = checkpoint.latest(_INIT_FROM.value)
+    except checkpoint.NotFoundError as e:
+      sys.exit(f"error: --init_from={_INIT_FROM.value!r}: {e} Pass the --workdir of "
+               "a run that saved a checkpoint.")
+    except checkpoint.CheckpointError as e:
+      sys.exit(f"error: --init_from={_INIT_FROM.value!r}: {e}")
   try:
     distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
@@ -725,6 +872,8 @@ def set_up(argv) -> Run:
   check_data(dataset, _BATCH_SIZE.value, _SEQ_LEN.value)
   if resume_meta is not None and "chars" in resume_meta:
     check_chars(resume_meta["chars"], dataset.chars, workdir)
+  if init_meta is not None and "chars" in init_meta:
+    check_chars(init_meta["chars"], dataset.chars, _INIT_FROM.value, "--init_from")
   sampler = data_lib.BatchSampler(dataset.train, _BATCH_SIZE.value, _SEQ_LEN.value,
                                   _SEED.value)
   mesh = distributed.make_mesh(mesh_sizes)
@@ -746,6 +895,9 @@ def set_up(argv) -> Run:
     sys.exit(f"error: {e}")
   if resume_meta is not None:
     check_model_flags(resume_meta.get("config", {}), cfg, workdir)
+  init_map = None
+  if init_meta is not None:
+    init_map = check_init_from(init_step, init_meta, cfg)
   if is_chief:
     # A run killed mid-write left these; no write is under way now.
     stale = files.remove_stale_temp_files(workdir)
@@ -778,7 +930,16 @@ def set_up(argv) -> Run:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if not _RESUME.value:
     params = jax.jit(model.init, out_shardings=param_shardings)(init_key, sampler_peek(sampler))
-    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    opt_state = None
+    if init_map is not None:
+      # Before anything is written: a map that does not fit stops here.
+      params, opt_state = restore_init_from(init_step, init_map, cfg, params, optimizer,
+                                            param_shardings, opt_shardings)
+      if _INIT_OPT_STATE.value == "mapped":   # the run goes on from that step
+        start_step = init_step
+        sampler.set_state(init_meta["sampler_state"])
+    if opt_state is None:
+      opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
   else:
     # Each process reads the shards of the current mesh, whichever mesh saved.
     try:

@@ -1,0 +1,456 @@
+"""Depth edits: select, reorder, repeat and add layers of a trained stack.
+
+A stack's depth is the leading Layers axis of its parameters, so changing it
+is an index list: ``indices[p]`` says which layer of the old stack becomes
+layer ``p`` of the new one. :func:`take_layers` is the one verb; the helpers
+below spell the usual growth schemes as index lists for it::
+
+  repeat(2, 4)       -> [0, 0, 1, 1]           each layer twice (Gong et al. 2019)
+  tile(2, 4)         -> [0, 1, 0, 1]           the stack again on top of itself
+  insert_new(2, 4)   -> [0, None, 1, None]     a fresh layer after each old one
+  [0, 1, 2, 5]                                 keep four layers (pruning, an encoder)
+  [*range(0, 24), *range(8, 32)]               two overlapped copies (SOLAR's up-scaling)
+
+``None`` is a fresh layer: layer ``p`` of ``new=``, the stack's params at the
+new depth from a fresh init. With ``zero=`` naming a block's residual-branch
+output layers, a fresh layer adds nothing to the stream and the grown model
+computes exactly what the old one did (function-preserving growth).
+
+Edits work on every layout of ``stacktools.params``: a plain stack
+(``h/...``, leaves ``[L, ...]``), a mixed-layer stack (``h/<kind>/...``, with
+its ``pattern=``) and a BlockSeq (``h/layer_<i>/...``); on params and on Haiku
+state alike. They are gathers along the Layers axis: values are copied, never
+computed, so an edit equals the same edit done on ``st.unstack_params``'
+per-layer dict and stacked back, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from stacktools import _checks
+from stacktools import _kinds
+from stacktools import params as params_lib
+
+Bundle = Mapping[str, Mapping[str, Any]]
+Indices = Sequence[Optional[int]]
+
+__all__ = ("insert_new", "repeat", "take_layers", "tile")
+
+
+def take_layers(params: Bundle, name: str, indices: Indices, *,
+                pattern: Optional[Sequence[str]] = None,
+                new: Optional[Bundle] = None,
+                zero: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+  """The stack ``name`` with layer ``p`` taken from old layer ``indices[p]``.
+
+  Select, reorder, repeat or add layers: ``len(indices)`` is the new depth,
+  an index may appear any number of times, and ``None`` is a fresh layer,
+  layer ``p`` of ``new`` (the stack's params at the new depth, freshly
+  initialised). Modules outside the stack are returned as they are.
+
+  Example::
+
+    from stacktools import depth
+
+    def model_of(num_layers):   # a stack of residual blocks, named "h"
+      block = lambda: hk.Sequential([hk.Linear(4, name="fc"), jnp.tanh,
+                                     hk.Linear(4, name="out")])
+      return hk.transform(lambda x: st.Stacked(
+          lambda: lambda x: x + block()(x), num_layers, name="h").fold(x))
+
+    x = jnp.ones((2, 4))
+    params = model_of(6).init(jax.random.PRNGKey(0), x)
+    pruned = st.take_layers(params, "h", [0, 1, 2, 5])           # keep 4 layers
+    twice = st.take_layers(params, "h", depth.repeat(6, 12))     # 0 0 1 1 ...
+    fresh = model_of(12).init(jax.random.PRNGKey(1), x)          # the new depth
+    grown = st.take_layers(params, "h", depth.insert_new(6, 12),  # 0 None 1 ...
+                           new=fresh, zero=("out",))
+    assert jnp.allclose(model_of(12).apply(grown, None, x),
+                        model_of(6).apply(params, None, x), atol=1e-6)
+
+  The plain-Python equivalent (what the tests compare with)::
+
+    layers = st.unstack_params(params, name, pattern=pattern)
+    out = {k: v for k, v in layers.items() if not under(k, f"{name}/layer_")}
+    for p, i in enumerate(indices):
+      source = layers if i is not None else st.unstack_params(new, name, pattern=pattern)
+      for rest, leaves in modules of layer (i if i is not None else p) in source:
+        out[f"{name}/layer_{p}{rest}"] = zeroed(leaves) if i is None else leaves
+    return st.stack_params(out, name, pattern=pattern)
+
+  Args:
+    params: Haiku params or state, ``{module: {name: array}}``.
+    name: the stack's full module name, as in ``st.unstack_params``.
+    indices: one entry per layer of the result: an old layer (``0`` to
+      depth - 1) or ``None`` for a fresh one.
+    pattern: a mixed-layer stack's pattern. Every layer keeps the kind the
+      pattern gives its position, ``pattern[p % len(pattern)]``: an edit that
+      moves a layer to a position of another kind is refused.
+    new: the stack's params (or state) at depth ``len(indices)``, in the
+      same layout, from a fresh init: where the ``None`` layers come from.
+    zero: leaves set to zero in the fresh layers, each named by the end of
+      its path inside a layer: ``"attn/proj"`` names every leaf of a module
+      ``.../attn/proj`` (weight and bias), ``"attn/proj/w"`` one leaf. Name
+      the layers whose output is added to the residual stream, and a fresh
+      block is the identity. Each entry must name some leaf.
+
+  Returns:
+    A new dict; the arrays given are not changed. numpy in, numpy out.
+
+  Raises:
+    ValueError: a stack name no module lies under, an index out of range or
+      not an int, an empty ``indices``, an edit that breaks the pattern, a
+      ``None`` without ``new``, a ``new`` of another depth or shapes, or a
+      ``zero`` entry that names no leaf.
+  """
+  with _checks.subject("take_layers"):
+    prefix = _check_name(name)
+    inside = _stack_modules(params, prefix, "params")
+    out = {k: dict(v) for k, v in params.items() if not params_lib._under(k, prefix)}  # pylint: disable=protected-access
+    picks = _check_indices(indices)
+    fresh = new is not None and _stack_modules(new, prefix, "new")
+    zero = _check_zero(zero)
+    if zero and new is None:
+      raise ValueError(f"take_layers: zero={list(zero)} zeroes leaves of the fresh "
+                       "layers, which come from new=; pass new= (the stack at the "
+                       "new depth from a fresh init) and None where they go.")
+    if _is_blockseq(inside, prefix):
+      out.update(_take_blockseq(inside, prefix, picks, pattern, fresh, zero))
+    else:
+      out.update(_take_stacked(inside, prefix, picks, pattern, fresh, zero))
+  return out
+
+
+def repeat(n: int, m: int, period: int = 1) -> list[int]:
+  """Each layer repeated in place: ``repeat(2, 4) == [0, 0, 1, 1]``.
+
+  Progressive stacking's growth (Gong et al. 2019). For ``m`` not a multiple
+  of ``n`` the lower layers get the extra copies: ``repeat(2, 3) == [0, 0,
+  1]``. ``period`` repeats whole periods of a mixed-layer stack, keeping its
+  pattern: ``repeat(4, 8, period=2) == [0, 1, 0, 1, 2, 3, 2, 3]``.
+
+  Example::
+
+    assert repeat(3, 6) == [0, 0, 1, 1, 2, 2]   # st.take_layers(params, "h", repeat(3, 6))
+  """
+  units, target = _units(n, m, period, "repeat")
+  return _expand([u * units // target for u in range(target)], period)
+
+
+def tile(n: int, m: int, period: int = 1) -> list[int]:
+  """The stack again on top of itself: ``tile(2, 4) == [0, 1, 0, 1]``.
+
+  ``tile(2, 3) == [0, 1, 0]``. With ``period``, whole periods (a
+  mixed-layer stack whose depth the pattern divides keeps its pattern with
+  ``period=1`` too).
+
+  Example::
+
+    assert tile(3, 6) == [0, 1, 2, 0, 1, 2]     # st.take_layers(params, "h", tile(3, 6))
+  """
+  units, target = _units(n, m, period, "tile")
+  return _expand([u % units for u in range(target)], period)
+
+
+def insert_new(n: int, m: int, period: int = 1) -> list[Optional[int]]:
+  """The old layers in order, with ``m - n`` fresh ones (``None``) spread between.
+
+  Each old layer is followed by its share of the fresh ones:
+  ``insert_new(2, 4) == [0, None, 1, None]``, ``insert_new(2, 3) == [0,
+  None, 1]``, ``insert_new(3, 4) == [0, None, 1, 2]``. With ``period``, fresh
+  whole periods after old ones, which keeps a mixed-layer stack's pattern.
+  Pass ``new=`` and ``zero=`` to :func:`take_layers` for function-preserving
+  growth.
+
+  Example::
+
+    assert insert_new(2, 4) == [0, None, 1, None]
+    # st.take_layers(params, "h", insert_new(2, 4), new=fresh, zero=("attn/proj",))
+  """
+  units, target = _units(n, m, period, "insert_new")
+  at = {-(-u * target // units): u for u in range(units)}   # ceil(u * m / n)
+  return _expand([at.get(u) for u in range(target)], period)
+
+
+# ---------------------------------------------------------------------------
+# Checks.
+
+
+def _check_name(name: Any) -> str:
+  if not isinstance(name, str) or not name or name.endswith("/"):
+    raise ValueError(f"take_layers: name={name!r} must be the stack's full module "
+                     "name, such as 'model/h' (no trailing '/').")
+  return name
+
+
+def _stack_modules(params: Any, prefix: str, arg: str) -> dict[str, Mapping[str, Any]]:
+  """The modules of ``params`` under ``prefix``; one line if there are none."""
+  if not isinstance(params, Mapping):
+    raise ValueError(f"take_layers: {arg} must be Haiku params or state, "
+                     f"{{module: {{name: array}}}}; got {_checks.describe(params)}.")
+  inside = {k: v for k, v in params.items() if params_lib._under(k, prefix)}  # pylint: disable=protected-access
+  if not inside:
+    modules = sorted(params)
+    raise ValueError(
+        f"take_layers: no module of {arg} is named {prefix!r} or lies under it; its "
+        f"modules are {modules[:6]}{f' ... ({len(modules)} in all)' if len(modules) > 6 else ''}. "
+        "Pass the stack's full module name.")
+  return inside
+
+
+def _check_indices(indices: Any) -> list[Optional[int]]:
+  if isinstance(indices, (str, bytes)) or not isinstance(indices, (Sequence, np.ndarray, range)):
+    raise ValueError(f"take_layers: indices must be a list of layer indices (ints, "
+                     f"None for a fresh layer); got {_checks.describe(indices)}.")
+  picks = []
+  for p, i in enumerate(indices):
+    value = None if i is None else _checks.as_int(i)
+    if i is not None and value is None:
+      raise ValueError(f"take_layers: indices[{p}]={i!r} is not a layer index; each "
+                       "entry is an int (an old layer) or None (a fresh layer).")
+    picks.append(value)
+  if not picks:
+    raise ValueError("take_layers: indices is empty; a stack keeps at least one layer.")
+  return picks
+
+
+def _check_zero(zero: Any) -> tuple[str, ...]:
+  names = (zero,) if isinstance(zero, str) else tuple(zero)
+  for entry in names:
+    if not isinstance(entry, str) or not entry or entry.startswith("/") or entry.endswith("/"):
+      raise ValueError(f"take_layers: zero= entry {entry!r} must name leaves by the end "
+                       "of their path inside a layer, e.g. 'attn/proj' or 'attn/proj/w'.")
+  return names
+
+
+def _check_range(picks: list[Optional[int]], depth: int, prefix: str) -> None:
+  for p, i in enumerate(picks):
+    if i is not None and not 0 <= i < depth:
+      raise ValueError(
+          f"take_layers: indices[{p}]={i} is out of range: {prefix!r} has {depth} "
+          f"layers (0 to {depth - 1}); use None for a fresh layer from new=.")
+
+
+def _check_kinds(picks: list[Optional[int]], layout: Optional[_kinds.Pattern]) -> None:
+  """Refuses an edit that moves a layer to a position of another kind."""
+  if layout is None:
+    return
+  for p, i in enumerate(picks):
+    if i is not None and layout.kind_of(i) != layout.kind_of(p):
+      raise ValueError(
+          f"take_layers: indices[{p}]={i} puts layer {i}, of kind {layout.kind_of(i)!r}, "
+          f"at position {p}, which pattern {layout.kinds} gives kind "
+          f"{layout.kind_of(p)!r}; every position "
+          f"keeps its kind (pattern[p % {layout.period}]): take a layer of that kind, "
+          "or None for a fresh one.")
+
+
+def _check_fresh(picks: list[Optional[int]], fresh: Any, fresh_depth: Optional[int],
+                 prefix: str) -> None:
+  if None in picks and fresh is False:
+    raise ValueError(
+        f"take_layers: indices[{picks.index(None)}] is None, a fresh layer, but no "
+        f"new= was given; pass the params of {prefix!r} at depth {len(picks)} from "
+        "a fresh init.")
+  if fresh is not False and fresh_depth != len(picks):
+    raise ValueError(
+        f"take_layers: new= holds {fresh_depth} layers of {prefix!r}, but indices "
+        f"make {len(picks)}; fresh layer p is layer p of new=, so pass the stack "
+        f"at depth {len(picks)}.")
+
+
+def _check_same(key: str, name: str, got: Any, want: Any, leading: int) -> None:
+  """A leaf of ``new`` must have the old leaf's shape past the Layers axes."""
+  got_sig, want_sig = _checks.signature(got), _checks.signature(want)
+  if got_sig[0][leading:] != want_sig[0][leading:] or got_sig[1] != want_sig[1]:
+    raise ValueError(
+        f"take_layers: new= {key}/{name} is {got_sig[1]}{list(got_sig[0][leading:])} "
+        f"per layer but params' is {want_sig[1]}{list(want_sig[0][leading:])}; new= "
+        "must come from the same model at another depth.")
+
+
+class _Zero:
+  """Which leaves ``zero=`` names; remembers which entries named something."""
+
+  def __init__(self, names: tuple[str, ...]):
+    self.names = names
+    self.used: set[str] = set()
+
+  def __call__(self, rest: str, name: str) -> bool:
+    """Whether the leaf ``name`` of module ``<layer>/<rest>`` is named."""
+    hit = False
+    for entry in self.names:
+      for path in (f"{rest}/{name}", rest):
+        if path == entry or path.endswith("/" + entry):
+          self.used.add(entry)
+          hit = True
+    return hit
+
+  def check_used(self, prefix: str, rests: set[str]) -> None:
+    unused = [e for e in self.names if e not in self.used]
+    if unused:
+      raise ValueError(
+          f"take_layers: zero={unused} names no leaf of a layer of {prefix!r}; its "
+          f"layers hold the modules {sorted(rests)[:8]}. Name a module or leaf by "
+          "the end of its path, e.g. 'attn/proj'.")
+
+
+# ---------------------------------------------------------------------------
+# The two layouts.
+
+
+def _xp(*leaves: Any) -> Any:
+  """numpy when every leaf is a numpy array (host in, host out), else jnp."""
+  return np if all(isinstance(x, np.ndarray) for x in leaves) else jnp
+
+
+def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
+                  pattern: Any, fresh: Any, zero: tuple[str, ...]):
+  """Stacked layouts: one gather per leaf from ``[old rows; fresh rows]``."""
+  groups = params_lib.layer_groups(inside, prefix, pattern)
+  _check_range(picks, sum(len(ids) for _, ids in groups.values()), prefix)
+  scope_of = lambda i: prefix  # pylint: disable=unnecessary-lambda-assignment
+  if pattern is not None:
+    kinds = tuple(pattern)    # layer_groups checked it
+    layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, len(picks))
+    _check_kinds(picks, layout)
+    scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
+  if fresh is not False and pattern is None and set(fresh) != set(inside):
+    only = sorted(set(fresh) ^ set(inside))[0]
+    raise ValueError(
+        f"take_layers: {only} is in {'new=' if only in fresh else 'params'} but not in "
+        f"{'params' if only in fresh else 'new='}; new= must be the same stack at "
+        "another depth, in the same layout (pattern= for a mixed-layer stack).")
+  fresh_groups = {} if fresh is False else params_lib.layer_groups(fresh, prefix, pattern)
+  _check_fresh(picks, fresh, sum(len(ids) for _, ids in fresh_groups.values()), prefix)
+  # A layer's row in its scope's arrays, old and fresh.
+  old_row = {int(i): r for _, ids in groups.values() for r, i in enumerate(ids)}
+  new_row = {int(i): r for _, ids in fresh_groups.values() for r, i in enumerate(ids)}
+  # Each scope's rows in the result, in layer order: (from old?, row).
+  rows: dict[str, list[tuple[bool, int]]] = {}
+  for p, i in enumerate(picks):
+    rows.setdefault(scope_of(p), []).append(
+        (False, new_row[p]) if i is None else (True, old_row[i]))
+  named = _Zero(zero)
+  out, rests = {}, set()
+  for scope, scope_rows in rows.items():
+    old = groups.get(scope, ({}, None))[0]
+    new_modules = fresh_groups.get(scope, ({}, None))[0]
+    for key, leaves in (old or new_modules).items():
+      rest = key[len(scope) + 1:]
+      rests.add(rest)
+      out[key] = {}
+      for name, leaf in leaves.items():
+        new_leaf = new_modules.get(key, {}).get(name)
+        if old and new_modules:
+          if new_leaf is None:
+            raise ValueError(f"take_layers: new= has no {key}/{name}; new= must come "
+                             "from the same model at another depth.")
+          _check_same(key, name, new_leaf, leaf, 1)
+        out[key][name] = _gather(old.get(key, {}).get(name), new_leaf, scope_rows,
+                                 named(rest, name))
+  if fresh is not False:
+    named.check_used(prefix, rests)
+  return out
+
+
+def _gather(old: Any, new: Any, rows: list[tuple[bool, int]], zeroed: bool) -> Any:
+  """Rows of ``old`` and ``new`` (zeros when ``zeroed``), in the order ``rows`` gives."""
+  if all(from_old for from_old, _ in rows):
+    xp = _xp(old)
+    return xp.take(old, np.asarray([r for _, r in rows], np.int32), axis=0)
+  if new is not None and zeroed:
+    new = _xp(new).zeros_like(new)
+  if old is None:
+    xp = _xp(new)
+    return xp.take(new, np.asarray([r for _, r in rows], np.int32), axis=0)
+  xp = _xp(old, new)
+  both = xp.concatenate([old, new], axis=0)
+  offset = old.shape[0]
+  return xp.take(both, np.asarray([r if from_old else offset + r for from_old, r in rows],
+                                  np.int32), axis=0)
+
+
+def _is_blockseq(inside: Bundle, prefix: str) -> bool:
+  layer_re = params_lib.layer_pattern(prefix)
+  return all(layer_re.match(key) for key in inside)
+
+
+def _blockseq_layers(inside: Bundle, prefix: str) -> dict[int, dict[str, Mapping[str, Any]]]:
+  """``{i: {rest: leaves}}`` of ``<prefix>/layer_<i><rest>`` modules."""
+  layer_re = params_lib.layer_pattern(prefix)
+  layers: dict[int, dict[str, Mapping[str, Any]]] = {}
+  for key, bundle in inside.items():
+    match = layer_re.match(key)
+    layers.setdefault(int(match.group(1)), {})[match.group(2) or ""] = bundle
+  missing = sorted(set(range(max(layers) + 1)) - set(layers))
+  if missing:
+    raise ValueError(f"take_layers: {prefix!r} has no layer_{missing[0]} but has "
+                     f"layer_{max(layers)}; a BlockSeq's layers are numbered 0 to depth - 1.")
+  return layers
+
+
+def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
+                   pattern: Any, fresh: Any, zero: tuple[str, ...]):
+  """The BlockSeq layout: layer ``p`` is the renamed modules of its source layer."""
+  layers = _blockseq_layers(inside, prefix)
+  _check_range(picks, len(layers), prefix)
+  if pattern is not None:
+    kinds = params_lib._kinds_of(pattern)  # pylint: disable=protected-access
+    _check_kinds(picks, _kinds.Pattern(dict.fromkeys(kinds), kinds, len(layers)))
+  fresh_layers = {}
+  if fresh is not False:
+    if not _is_blockseq(fresh, prefix):
+      raise ValueError(f"take_layers: params hold {prefix!r} as a BlockSeq "
+                       f"({prefix}/layer_<i>/...) but new= does not; pass new= in "
+                       "the same layout.")
+    fresh_layers = _blockseq_layers(fresh, prefix)
+  _check_fresh(picks, fresh, len(fresh_layers), prefix)
+  named = _Zero(zero)
+  for layer in fresh_layers.values():   # every entry must name some leaf
+    for rest, bundle in layer.items():
+      for name in bundle:
+        named(rest.lstrip("/"), name)
+  named.check_used(prefix, {rest.lstrip("/") for layer in fresh_layers.values()
+                            for rest in layer})
+  out = {}
+  for p, i in enumerate(picks):
+    modules = layers[i] if i is not None else fresh_layers[p]
+    for rest, bundle in modules.items():
+      key = f"{prefix}/layer_{p}{rest}"
+      if i is not None:
+        out[key] = dict(bundle)
+        continue
+      old = next((layer[rest] for layer in layers.values() if rest in layer), None)
+      out[key] = {}
+      for name, leaf in bundle.items():
+        if old is not None and name in old:
+          _check_same(key, name, leaf, old[name], 0)
+        out[key][name] = _xp(leaf).zeros_like(leaf) if named(rest.lstrip("/"), name) else leaf
+  return out
+
+
+def _units(n: Any, m: Any, period: Any, helper: str) -> tuple[int, int]:
+  """``(n, m)`` in periods, checked: positive, whole periods, ``m >= n``."""
+  values = [_checks.as_int(v) for v in (n, m, period)]
+  if any(v is None or v < 1 for v in values):
+    raise ValueError(f"depth.{helper}(n={n!r}, m={m!r}, period={period!r}): each must be "
+                     "a positive int (the old depth, the new one, layers per period).")
+  n, m, period = values
+  if n % period or m % period:
+    raise ValueError(f"depth.{helper}: n={n} and m={m} must be whole periods of "
+                     f"{period} layers, so that every layer keeps its kind.")
+  if m < n:
+    raise ValueError(f"depth.{helper}: m={m} is less than n={n}; it grows a stack. "
+                     "To drop layers, list those to keep: take_layers(params, name, [0, 1, 3]).")
+  return n // period, m // period
+
+
+def _expand(units: list[Optional[int]], period: int) -> list[Optional[int]]:
+  """Indices of periods -> indices of layers."""
+  return [None if u is None else u * period + j for u in units for j in range(period)]
