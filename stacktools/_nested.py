@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 PyTree = Any
 Split = tuple[int, int, int]
@@ -245,14 +246,34 @@ def _nested(body, split, reverse, unroll, carry, xs, consts):
 
 
 def _nested_fwd(body, split, reverse, unroll, carry, xs, consts):
+  carry, xs, consts = jax.tree_util.tree_map(lambda p: p.value, (carry, xs, consts))
   carry, ys, entries = _Loop(body, split, reverse, unroll, xs, consts).forward(carry)
   return (carry, ys), (xs, consts, entries)
 
 
 def _nested_bwd(body, split, reverse, unroll, residuals, cts):
   xs, consts, entries = residuals
-  ct_carry, ct_ys = cts
-  return _Loop(body, split, reverse, unroll, xs, consts).backward(entries, ct_carry, ct_ys)
+  ct_carry, ct_ys = jax.tree_util.tree_map(_instantiate, cts[0]), cts[1]
+  # A y that nothing downstream reads has a symbolic zero cotangent: its
+  # derivative is left out, as JAX's own backward pass leaves it out (where
+  # it is infinite, zero times it would be nan).
+  wanted = [not isinstance(ct, SymbolicZero) for ct in jax.tree_util.tree_leaves(ct_ys)]
+
+  def body_of_wanted(c, x, *k):
+    c, y = body(c, x, *k)
+    return c, [y for y, w in zip(jax.tree_util.tree_leaves(y), wanted) if w]
+
+  ct_ys = [ct for ct, w in zip(jax.tree_util.tree_leaves(ct_ys), wanted) if w]
+  loop = _Loop(body_of_wanted, split, reverse, unroll, xs, consts)
+  return loop.backward(entries, ct_carry, ct_ys)
 
 
-_nested.defvjp(_nested_fwd, _nested_bwd)
+def _instantiate(ct: Any) -> Any:
+  if not isinstance(ct, SymbolicZero):
+    return ct
+  if ct.aval.dtype == jax.dtypes.float0:
+    return np.zeros(ct.aval.shape, dtype=jax.dtypes.float0)
+  return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+
+
+_nested.defvjp(_nested_fwd, _nested_bwd, symbolic_zeros=True)
