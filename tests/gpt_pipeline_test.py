@@ -38,10 +38,10 @@ What is checked, against numbers:
   few microbatches; pipeline flags with --pipeline=none, which absl's flag
   validation stops): one line, nothing written.
 
-The runs compile with XLA's cheap settings plus the CPU backend's older
-loop emitters (``--xla_cpu_use_fusion_emitters=false``; ``gpt_driver.FAST_XLA``),
-which compile the pipelined step about three times faster; every run here,
-reference included, uses the same settings.
+The runs compile with XLA's cheap settings (``gpt_driver.xla_env``: on
+jaxlib 0.10 with the CPU backend's older loop emitters too, which compile the
+pipelined step about three times faster); every run here, reference
+included, uses the same settings.
 
 The pytest process itself never imports JAX.
 """
