@@ -65,7 +65,7 @@ def _starts_with(flags: str) -> bool:
 
 
 def known(options: Mapping[str, Any] = TESTS) -> dict[str, Any]:
-  """The ``options`` that the installed XLA knows, as ``XLA_FLAGS``.
+  """The ``options`` that the installed XLA accepts in ``XLA_FLAGS``.
 
   Example::
 

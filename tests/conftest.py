@@ -7,7 +7,7 @@ the generated code is emitted and optimised, not the program XLA builds (its
 HLO, its buffers and their sizes), so memory measurements and results hold;
 a flag already in XLA_FLAGS wins. Only those the installed XLA knows are set
 (``fast_compile.known``: XLA aborts on a flag it does not know, and jaxlib
-0.11 dropped one). They are decided and set here, once, before any test
+0.12 lacks one of them). They are decided and set here, once, before any test
 imports JAX, and subprocesses that tests start inherit them.
 """
 
