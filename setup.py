@@ -16,10 +16,12 @@ setuptools.setup(
     package_data={"stacktools": ["py.typed"]},
     python_requires=">=3.10",
     # The ranges the test suite has passed with. Haiku is in maintenance mode
-    # and JAX moves fast, so a known-good range beats an open-ended one.
+    # and JAX moves fast, so a known-good range beats an open-ended one. CI
+    # (.ci/run) tests both ends of JAX's: 0.10.2 (.ci/oldest.txt) and the
+    # newest below 0.13.
     install_requires=[
-        "jax>=0.10.0,<0.11",
-        "jaxlib>=0.10.0,<0.11",
+        "jax>=0.10.2,<0.13",
+        "jaxlib>=0.10.2,<0.13",
         "dm-haiku>=0.0.17,<0.0.18",
         "optax>=0.2.5,<0.3",
         "absl-py>=2.0",

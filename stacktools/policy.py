@@ -457,16 +457,19 @@ class CheckpointPolicy:
 #: random bits, custom calls) is kept.
 RECOMPUTED = frozenset({
     # Elementwise arithmetic.
-    "abs", "add", "ceil", "clamp", "cos", "div", "erf", "exp", "exp2", "expm1",
-    "floor", "integer_pow", "log", "log1p", "logistic", "max", "min", "mul",
-    "neg", "pow", "rem", "round", "rsqrt", "sign", "sin", "sqrt", "square",
-    "sub", "tanh",
+    "abs", "add", "ceil", "clamp", "cos", "div", "erf", "erfc", "exp", "exp2",
+    "expm1", "floor", "integer_pow", "log", "log1p", "logistic", "max", "min",
+    "mul", "neg", "pow", "rem", "round", "rsqrt", "sign", "sin", "sqrt",
+    "square", "sub", "tanh",
+    # Fused forms that newer JAX writes in derivatives (tanh's is
+    # one_minus_square in jax 0.12, where 0.10 wrote sub and mul).
+    "one_minus_square", "polynomial",
     # Comparisons, logic and selection.
     "and", "eq", "ge", "gt", "le", "lt", "ne", "not", "or", "select_n", "xor",
     # Layout: the same values, moved or retyped.
-    "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
-    "copy_p", "expand_dims", "iota", "pad", "reshape", "slice", "split",
-    "squeeze", "stop_gradient", "transpose",
+    "bitcast_convert_type", "broadcast_in_dim", "concatenate",
+    "convert_element_type", "copy", "copy_p", "expand_dims", "iota", "pad",
+    "reshape", "slice", "split", "squeeze", "stop_gradient", "transpose",
 })
 
 

@@ -250,7 +250,10 @@ class ReportRow:
 class RematReport:
   """Every candidate plan of a step, with its compiled cost.
 
-  ``str(report)`` is a table, one row per candidate, smallest memory first.
+  ``str(report)`` is a table, one row per candidate, smallest memory first;
+  a per-depth mix that needs more temp memory than each of its policies
+  (each seam copies the per-layer inputs it slices) is marked ``above none
+  and full``.
   """
 
   stacks: tuple[StackInfo, ...]
@@ -272,7 +275,7 @@ class RematReport:
                f"{row.bytes_accessed / 1e9:.3f}"]
       if timed:
         cells.append("" if row.step_time_s is None else f"{1e3 * row.step_time_s:.2f}")
-      marks = []
+      marks = [f"above {' and '.join(names)}" for names in self._above_its_policies(row)]
       if self.budget is not None and row.temp_bytes > self.budget:
         marks.append("over budget")
       if row is self.chosen:
@@ -286,6 +289,24 @@ class RematReport:
     if self.budget is not None:
       title += f"; budget {format_bytes(self.budget)}"
     return "\n".join([title, fmt(header)] + [fmt(c) for c in lines])
+
+  def _above_its_policies(self, row: ReportRow) -> list[tuple[str, ...]]:
+    """For each per-depth mix in ``row``'s plan whose policies' rows are here
+    (the same plan with one of them in its place) and all need less temp
+    memory: the mix's policies. A seam copies the per-layer inputs it
+    slices, which can put a mix above both of its policies; the report
+    says so rather than the reader assuming a mix lies between them."""
+    by_plan = {tuple(sorted(r.plan.items())): r for r in self.rows}
+    above = []
+    for key, label in row.plan.items():
+      parts = [part.rpartition(":") for part in label.split(",")]
+      if len(parts) < 2 or not all(sep and count.isdigit() for _, sep, count in parts):
+        continue
+      names = tuple(dict.fromkeys(name for name, _, _ in parts))
+      others = [by_plan.get(tuple(sorted({**row.plan, key: name}.items()))) for name in names]
+      if all(o is not None and o.temp_bytes < row.temp_bytes for o in others):
+        above.append(names)
+    return above
 
   def plan(self, *, budget: Union[int, str], by_time: bool = True) -> Any:
     """The plan :func:`stacktools.plan_remat` would choose from this report.

@@ -28,6 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import decode  # pylint: disable=wrong-import-position
 from benchmarks import depth_edits  # pylint: disable=wrong-import-position
+from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
@@ -352,6 +353,16 @@ def test_shared_modules_import_one_way():
   assert _benchmark_imports("instruments") == set()
   assert _benchmark_imports("models") == set()
   assert _benchmark_imports("contenders") == {"models"}
+
+
+def test_fast_compile_keeps_only_flags_xla_knows():
+  # CODEGEN's options are XLA's own (benchmarks pass them as compile options);
+  # a made-up one would abort XLA at start-up, so it is dropped.
+  options = {**fast_compile.CODEGEN, "xla_cpu_no_such_option": True}
+  assert fast_compile.known(options) == fast_compile.CODEGEN
+  flags = fast_compile.with_flags("--xla_backend_optimization_level=2", options)
+  assert flags == ("--xla_llvm_disable_expensive_passes=true "
+                   "--xla_backend_optimization_level=2"), flags
 
 
 def test_decode_quick(tmp_path):

@@ -12,7 +12,7 @@ Three ``train.py`` subprocesses of the tests' tiny model (``gpt_driver.TINY``),
 * ``resumed``: ``train.py --resume`` in the killed run's workdir.
 
 All three share a persistent compilation cache and XLA's cheap settings
-(``gpt_driver.FAST_XLA``), and start when the module's first test asks.
+(``gpt_driver.xla_env``), and start when the module's first test asks.
 
 What is checked, against numbers:
 

@@ -5,8 +5,10 @@ Also compiles with XLA's cheapest CPU code generation
 small programs, and these settings cut their time about 5x. They change how
 the generated code is emitted and optimised, not the program XLA builds (its
 HLO, its buffers and their sizes), so memory measurements and results hold;
-a flag already in XLA_FLAGS wins. They are set here, before any test imports
-JAX, and subprocesses that tests start inherit them.
+a flag already in XLA_FLAGS wins. Only those the installed XLA knows are set
+(``fast_compile.known``: XLA aborts on a flag it does not know, and jaxlib
+0.12 lacks one of them). They are decided and set here, once, before any test
+imports JAX, and subprocesses that tests start inherit them.
 """
 
 import os

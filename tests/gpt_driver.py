@@ -5,9 +5,8 @@ train ``examples/gpt/train.py`` in subprocesses, and share what is here:
 
 * :data:`TINY`: the flags of a tiny model that trains 20 steps in seconds;
 * :func:`xla_env`: the environment of a run, compiled with XLA's cheap
-  settings (:data:`FAST_XLA`, ``benchmarks/fast_compile.py``: how fast the
-  code compiles, not what it computes), on as many virtual CPU devices as
-  asked;
+  settings (``benchmarks/fast_compile.py``: how fast the code compiles, not
+  what it computes), on as many virtual CPU devices as asked;
 * a *driver* (:func:`start_driver`): a fresh interpreter that runs
   ``train.main`` in-process once per spec under absl's flagsaver
   (:func:`drive`), so that one interpreter pays the JAX import for many
@@ -35,7 +34,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
 TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
 SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
-FAST_XLA = fast_compile.xla_flags(fast_compile.TESTS)
 
 NUM_LAYERS = 2
 STEPS = 20
@@ -52,9 +50,10 @@ SENTENCES = (
 
 
 def xla_env(devices: Optional[int] = None, **extra: str) -> dict:
-  """This process's environment with ``XLA_FLAGS`` set to :data:`FAST_XLA`
-  (and ``devices`` virtual CPU devices, when given), and ``extra``."""
-  flags = FAST_XLA
+  """This process's environment with ``XLA_FLAGS`` set to the cheap settings
+  this XLA knows (``fast_compile.known``, decided once per process: conftest
+  has), ``devices`` virtual CPU devices when given, and ``extra``."""
+  flags = fast_compile.xla_flags(fast_compile.known())
   if devices is not None:
     flags += f" --xla_force_host_platform_device_count={devices}"
   return {**os.environ, "XLA_FLAGS": flags, **extra}

@@ -16,8 +16,9 @@ for them:
   process, the reference of the two-process runs;
 * a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
   on 127.0.0.1, 2 devices each, ``--mesh=pipe:4``: stages 0-1 in one
-  process, 2-3 in the other, stopped at step 10; then a second pair that
-  resumes their checkpoint to step 20;
+  process, 2-3 in the other, 20 steps with a checkpoint at step 10; then a
+  second pair that resumes that checkpoint, in a copy of the workdir
+  without the later one, to step 20;
 * one command-line run whose flags contradict each other.
 
 What is checked, against numbers:
@@ -30,18 +31,18 @@ What is checked, against numbers:
   device are under half the model's;
 * a checkpoint moves from a plain run to a pipelined one and back, and the
   losses go on as if nothing changed;
-* two processes with a pipe axis across them train bit for bit like one
-  process with four devices, and a pair stopped at step 10 and resumed ends
-  bit for bit where the uninterrupted run ends;
+* two processes with a pipe axis across them train like one process with
+  four devices, to a few float32 ulps (see :data:`ULPS`), and a pair resumed
+  at step 10 ends bit for bit where the uninterrupted pair ends;
 * start-up errors (a pipe axis without --pipeline, --pipeline without a pipe
   axis, layers or a batch that do not divide, a circular schedule with too
   few microbatches; pipeline flags with --pipeline=none, which absl's flag
   validation stops): one line, nothing written.
 
-The runs compile with XLA's cheap settings plus the CPU backend's older
-loop emitters (``--xla_cpu_use_fusion_emitters=false``; ``gpt_driver.FAST_XLA``),
-which compile the pipelined step about three times faster; every run here,
-reference included, uses the same settings.
+The runs compile with XLA's cheap settings (``gpt_driver.xla_env``: on
+jaxlib 0.10 with the CPU backend's older loop emitters too, which compile the
+pipelined step about three times faster); every run here, reference
+included, uses the same settings.
 
 The pytest process itself never imports JAX.
 """
@@ -49,6 +50,7 @@ The pytest process itself never imports JAX.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -94,6 +96,13 @@ MESH_ERRORS = (
       "stages", "got microbatches=2 for 4 stages"]),
 )
 ATOL = 1e-4  # float32 losses after 20 steps; only reductions are reordered
+# Two processes against one with the same four devices: the same program, but
+# compiled for another device layout into other kernels, and at the tests'
+# cheap optimisation level 0 (tests/conftest.py) XLA:CPU's fusion emitters
+# round tanh (the GELU's) differently in different kernels. Measured on jaxlib
+# 0.12: 1-2 ulps at 6 of 20 steps; bit for bit at the default level, and on
+# jaxlib 0.10, whose older loop emitters the tests use there.
+ULPS = 4
 
 
 class Runs:
@@ -112,9 +121,9 @@ class Runs:
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
     self.driver("eight circular", 8, [("circular", CIRCULAR)])
     self.driver("four", 4, [("four", MESH_MP)])
-    self.stopped = self.pair({"stop_after": STOP})
-    self.after_stop = self.resumed = self.error = None
-    self.thread = threading.Thread(target=self._resume_when_stopped, daemon=True)
+    self.straight = self.pair("mp", {"checkpoint_every": STOP})
+    self.straight_logs = self.resumed = self.error = None
+    self.thread = threading.Thread(target=self._resume_when_done, daemon=True)
     self.thread.start()
 
   def flags(self, name: str, **extra) -> dict:
@@ -130,18 +139,18 @@ class Runs:
     self.drivers[key] = (proc, out_path)
     self.driver_of.update((name, key) for name, _ in runs)
 
-  def pair(self, extra: dict) -> list[subprocess.Popen]:
-    """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
+  def pair(self, name: str, extra: dict) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a two-process run in workdir ``name``, 2 devices each."""
     port = free_port()
     procs = []
     for i in range(2):
-      flags = self.flags("mp", **MESH_MP, **extra, num_processes=2, process_id=i,
+      flags = self.flags(name, **MESH_MP, **extra, num_processes=2, process_id=i,
                          coordinator_address=f"127.0.0.1:{port}")
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
       # train.py as __main__, without matplotlib (no loss.png: a second of
       # CPU), and with a compilation cache of its own per process index
       # (only process 0 writes one, so the resumed pair's process 0 reuses
-      # the programs of the stopped pair's).
+      # the programs of the first pair's).
       env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, f"jax_cache_mp{i}")))
       code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -161,20 +170,23 @@ class Runs:
       assert run["exit"] is None, f"{name} exited: {run['exit']}"
     return run
 
-  def _resume_when_stopped(self) -> None:
+  def _resume_when_done(self) -> None:
     try:
-      logs = [wait(p) for p in self.stopped]
-      self.after_stop = {"logs": logs, "records": read_metrics(self.workdir("mp"))}
-      self.resumed = self.pair({"resume": True})
+      self.straight_logs = [wait(p) for p in self.straight]
+      # The workdir as a run killed after step 10's checkpoint left it.
+      shutil.copytree(self.workdir("mp"), self.workdir("mp resumed"),
+                      ignore=lambda folder, names: [str(STEPS)] if folder.endswith(
+                          "checkpoints") else [])
+      self.resumed = self.pair("mp resumed", {"checkpoint_every": STOP, "resume": True})
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
   def two_process_logs(self) -> tuple[list[str], list[str]]:
-    """The stopped pair's logs and the resumed pair's, once both finished."""
+    """The first pair's logs and the resumed pair's, once both finished."""
     self.thread.join(timeout=600)
     if self.error is not None:
       raise self.error
-    return self.after_stop["logs"], [wait(p) for p in self.resumed]
+    return self.straight_logs, [wait(p) for p in self.resumed]
 
   def close(self) -> None:
     self.thread.join(timeout=600)
@@ -291,25 +303,26 @@ def test_checkpoints_move_between_plain_and_pipelined_runs(runs):
 
 
 def test_two_processes_equal_one_process_and_resume_exactly(runs):
-  """Stages 0-1 in process 0, 2-3 in process 1, stopped at step 10 and
-  resumed: bit for bit the 20 straight steps of one process with 4 devices
-  (every cross-stage sum adds one stage's values to zeros, which no order
-  changes), which are the one-device losses to 1e-4."""
-  stopped_logs, resumed_logs = runs.two_process_logs()
+  """Stages 0-1 in process 0, 2-3 in process 1: the 20 steps of one process
+  with 4 devices to :data:`ULPS`, which are the one-device losses to 1e-4;
+  resumed from step 10's checkpoint, bit for bit the uninterrupted pair."""
+  straight_logs, resumed_logs = runs.two_process_logs()
   runs.driver_run("four")
-  four, mp = runs.workdir("four"), runs.workdir("mp")
-  for log in stopped_logs + resumed_logs:
+  four, mp, resumed = (runs.workdir(name) for name in ("four", "mp", "mp resumed"))
+  for log in straight_logs + resumed_logs:
     assert "mesh {'pipe': 4, 'data': 1, 'fsdp': 1} over 4 devices in 2 processes" in log, log
     assert "Pipeline: gpipe over 4 stages" in log, log
   for log in resumed_logs:
     assert f"Resumed from step {STOP}." in log, log
-  stopped = runs.after_stop["records"]
-  assert [r["step"] for r in stopped] == list(range(1, STOP + 1))
-  np.testing.assert_array_equal([r["train_loss"] for r in stopped], train_losses(four)[:STOP])
-  records = read_metrics(mp)
-  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-  np.testing.assert_array_equal(train_losses(mp), train_losses(four))
-  assert records[-1]["valid_loss"] == read_metrics(four)[-1]["valid_loss"]
+  for workdir in (mp, resumed):
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, STEPS + 1))
+  np.testing.assert_array_max_ulp(train_losses(mp).astype(np.float32),
+                                  train_losses(four).astype(np.float32), maxulp=ULPS)
+  valid = lambda workdir: np.float32(read_metrics(workdir)[-1]["valid_loss"])  # noqa: E731
+  np.testing.assert_array_max_ulp(valid(mp), valid(four), maxulp=ULPS)
+  # Steps 11-20 after the resume, and the evaluation at the end.
+  np.testing.assert_array_equal(train_losses(resumed), train_losses(mp))
+  assert valid(resumed) == valid(mp)
   runs.driver_run("reference")
   np.testing.assert_allclose(train_losses(four), train_losses(runs.workdir("reference")),
                              rtol=0, atol=ATOL)

@@ -4,7 +4,7 @@ Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
 batched into two driver subprocesses started once per module
 (``gpt_driver.drive``). One interpreter then pays the JAX import for many
 runs, the two drivers use both cores, and the drivers compile with XLA's
-cheap settings (``gpt_driver.FAST_XLA``, which changes how fast the code is
+cheap settings (``gpt_driver.xla_env``, which changes how fast the code is
 compiled, not what it computes) and a private persistent compilation cache,
 without touching the pytest process. The drivers also report whether
 ``import stacktools`` imported TensorFlow or Orbax, and whether the runs

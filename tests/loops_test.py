@@ -367,10 +367,10 @@ def _mlp_block(h, w):
   return h + jnp.tanh(st.checkpoint_name(h @ w, "pre"))
 
 
-def _residuals(remat, n):
+def _residuals(remat, n, block=_mlp_block):
   """(aval, description) for each value the backward pass keeps."""
   def loss(ws, h):
-    return jnp.sum(st.fold(_mlp_block, remat=remat)(h, ws))
+    return jnp.sum(st.fold(block, remat=remat)(h, ws))
   return saved_residuals(loss, jnp.ones((n, RD, RD)), jnp.ones((RB, RD)))
 
 
@@ -414,15 +414,23 @@ def test_no_remat_keeps_more_than_full():
   assert len(none) > len(full)
 
 
+def _gated_block(h, w):
+  return h + jnp.tanh(st.checkpoint_name(h @ w, "pre")) * h
+
+
 def test_no_remat_keeps_all_but_elementwise_values():
   # Without remat a loop step keeps every value but the outputs of
-  # elementwise operations, recomputed from what it keeps (here tanh, from
-  # the matmul's output "pre"); save_all keeps those too.
-  none, everything = _residuals(False, 8), _residuals("save_all", 8)
+  # elementwise operations, recomputed from what it keeps (here tanh and its
+  # derivative, from the matmul's output "pre"); save_all keeps those too.
+  # The gate reads tanh's value in the backward pass, so save_all keeps more
+  # than none whatever form JAX gives tanh's derivative (jax 0.12 writes it
+  # as one value, one_minus_square, which save_all keeps in place of "pre").
+  none = _residuals(False, 8, _gated_block)
+  everything = _residuals("save_all", 8, _gated_block)
   shapes = lambda r: collections.Counter(a.shape for a, _ in r)
   assert shapes(none) < shapes(everything), (none, everything)
   # Stacked per layer: none keeps each layer's carry and "pre"; save_all
-  # also the tanh of "pre".
+  # keeps elementwise values (tanh's, its derivative's) besides the carry.
   per_layer = (8, RB, RD)
   assert shapes(none)[per_layer] == 2, none
   assert shapes(everything)[per_layer] == 3, everything
@@ -473,10 +481,14 @@ SAVE_PRE = st.CheckpointPolicy(save_block_internals=["pre"])
 
 
 def test_memory_order_64_layers():
-  none, named = _temp_bytes(False, 64), _temp_bytes(SAVE_PRE, 64)
+  # Here "none" keeps what the named policy keeps (each layer's carry and
+  # "pre"; tanh is recomputed): compared as residuals, since their compiled
+  # bytes are equal or nearly so, in an order that XLA's version decides.
+  shapes = lambda remat: sorted(a.shape for a, _ in _residuals(remat, 8))
+  assert shapes(False) == shapes(SAVE_PRE), (shapes(False), shapes(SAVE_PRE))
+  named = _temp_bytes(SAVE_PRE, 64)
   full, nested = _temp_bytes("full", 64), _temp_bytes("nested", 64)
-  # "none" keeps what the named policy keeps, and may keep more.
-  assert none >= named > full > nested, (none, named, full, nested)
+  assert named > full > nested, (named, full, nested)
   assert nested <= 0.5 * full, (nested, full)
 
 

@@ -562,9 +562,13 @@ def test_memory_none_gt_full_gt_nested():
   assert none > full > nested, (none, full, nested)
   carry = batch * width * 4
   # "none" keeps each layer's carry and its first matmul's output (the
-  # GELU is recomputed from it), "full" about one carry per layer, "nested"
-  # about 2 * sqrt(48) ~ 14 carries (and a chunk's grads).
-  assert none - full > n * carry, (none, full)
+  # GELU and its derivative are recomputed from it), "full" about one carry
+  # per layer, "nested" about 2 * sqrt(48) ~ 14 carries (and a chunk's grads).
+  # So none keeps n carry-sized values more than full, give or take the
+  # workspace in which full recomputes a layer, which XLA sizes (none - full
+  # measured 48.5 carries on jax 0.10.2, 47.5 on 0.12): not 2n, which a
+  # kept GELU derivative would add.
+  assert (n - 2) * carry < none - full < (n + 2) * carry, (none, full)
   assert full - nested > 16 * carry, (full, nested)
 
 
