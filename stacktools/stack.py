@@ -190,7 +190,7 @@ def _explicit_params(fn: Callable[..., Any], role: str,
       return next_getter(value)
 
     with hk.custom_getter(record):
-      jax.eval_shape(fn, *example)
+      jax.eval_shape(lambda *a: fn(*a), *example)   # a fresh trace each time
     return seen
 
   params = names()
