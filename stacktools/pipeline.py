@@ -28,6 +28,7 @@ so checkpoints move between pipelined and plain runs unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -626,13 +627,13 @@ def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLay
 
     def forward(diff, state, x_in, m):
       params, sliced, e_params, h_params, bcast = rebuild(diff)
-      x0 = lax.cond(first, lambda: ends.embed(e_params, take(inputs, m)), lambda: x_in)
+      x0 = jax.tree_util.tree_map(functools.partial(jnp.where, first),
+                                  ends.embed(e_params, take(inputs, m)), x_in)
       with ends.with_broadcast(bcast):
         x1, results = _stage_chunk(body, make_slice, policy, unroll, x0,
                                    local._replace(params=params, sliced=sliced),
                                    state, 0, m)
-      loss = lax.cond(last, lambda: ends.head(h_params, x1, take(targets, m)),
-                      lambda: jnp.zeros((), loss_shape.dtype))
+      loss = jnp.where(last, ends.head(h_params, x1, take(targets, m)), 0)
       return (x1, loss), (results[0], results[1])
 
     state0 = take(local.state, 0)
@@ -665,17 +666,26 @@ def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLay
       carry = dict(carry, grads=jax.tree_util.tree_map(jnp.add, carry["grads"], grads))
       return carry, x_zero, dx
 
-    def idle_op(carry, m):
-      del m
-      return carry, x_zero, x_zero
-
     fwd_shift = [(s, s + 1) for s in range(stages - 1)]
     bwd_shift = [(s + 1, s) for s in range(stages - 1)]
 
     def tick(carry, t):
-      m = micro_idx[t, stage]
-      carry, sent_f, sent_b = lax.switch(ops[t, stage], [idle_op, fwd_op, bwd_op], carry, m)
+      m, op = micro_idx[t, stage], ops[t, stage]
+      # Both slots run every tick and the op picks one: a lax.switch would
+      # skip the other, but stages would then take different branches, and
+      # the collectives XLA puts inside them (a data axis's sums) must be
+      # entered by every device.
+      after_f, x1, _ = fwd_op(carry, m)
+      after_b, _, dx = bwd_op(carry, m)
+      carry = jax.tree_util.tree_map(
+          lambda f, b, c: jnp.where(op == 1, f, jnp.where(op == 2, b, c)),
+          after_f, after_b, carry)
+      sent_f = jax.tree_util.tree_map(lambda a: jnp.where(op == 1, a, 0), x1)
+      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(op == 2, a, 0), dx)
       got_f = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, fwd_shift), sent_f)
+      # One collective after the other on every device: run side by side,
+      # devices could enter them in different orders and wait on each other.
+      got_f, sent_b = lax.optimization_barrier((got_f, sent_b))
       got_b = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, bwd_shift), sent_b)
       # What arrived goes into the slot of its microbatch: an input from the
       # previous stage's forward, a cotangent from the next stage's backward.
