@@ -194,7 +194,11 @@ def _explicit_params(fn: Callable[..., Any], role: str,
     return seen
 
   params = names()
-  if set(names()) != set(params):
+  try:
+    again = names()
+  except ValueError:   # Haiku's: a module built anew has no parameters
+    again = None
+  if again is None or set(again) != set(params):
     raise ValueError(
         f"{_checks.where()}Stacked.loss: {role} creates new Haiku modules each time it "
         f"is called (its parameters were {sorted(params)} the first time), but a "
