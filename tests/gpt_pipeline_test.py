@@ -68,6 +68,7 @@ TINY = {**gpt_driver.TINY, "num_layers": 4, "batch_size": 8}
 GPIPE = {"mesh": "pipe:4,data:2", "pipeline": "gpipe", "microbatches": 4}
 CIRCULAR = {"mesh": "pipe:2,fsdp:2,data:2", "pipeline": "circular", "microbatches": 4,
             "pipeline_repeats": 2, "block": "scan"}
+ONE_F_ONE_B = {"mesh": "pipe:4,data:2", "pipeline": "1f1b", "microbatches": 4}
 MESH_MP = {"mesh": "pipe:4", "pipeline": "gpipe", "microbatches": 4}
 # The same workdir: plain to step 7, a pipeline to step 14, plain to the end
 # (the second plain leg and the pipelined one reuse compiled programs).
@@ -110,7 +111,7 @@ class Runs:
     self.driver("eight", 8, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
                              if devices == 8] + [("gpipe", GPIPE)]
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
-    self.driver("eight circular", 8, [("circular", CIRCULAR)])
+    self.driver("eight circular", 8, [("circular", CIRCULAR), ("1f1b", ONE_F_ONE_B)])
     self.driver("four", 4, [("four", MESH_MP)])
     self.stopped = self.pair({"stop_after": STOP})
     self.after_stop = self.resumed = self.error = None
@@ -239,7 +240,8 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
 # One process, 8 devices, against one device.
 
 
-@pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR)])
+@pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR),
+                                        ("1f1b", ONE_F_ONE_B)])
 def test_pipelined_run_gives_the_one_device_losses(runs, name, flags):
   log = runs.driver_run(name)["log"]
   sizes = {"pipe": 1, "data": 1, "fsdp": 1,
