@@ -722,8 +722,12 @@ def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLay
       in_specs=(whole, whole, spec, whole, whole, whole, whole, whole),
       out_specs=(whole, spec, spec, spec), axis_names=frozenset({axis}),
       check_vma=False)
+  # The loop computes its own gradients (with_gradients below adds them):
+  # cut its inputs off from an outer jax.grad, which would otherwise
+  # linearize the whole loop only to drop the result.
   (loss, embed_g, head_g, bcast_g), (params_g, sliced_g), ys, state = mapped(
-      inputs, targets, staged, ends.embed_params, ends.head_params, ends.broadcast,
+      *lax.stop_gradient((inputs, targets, staged, ends.embed_params, ends.head_params,
+                          ends.broadcast)),
       jnp.asarray(ops), jnp.asarray(table.microbatch))
   grads = (from_stages(params_g), from_stages(sliced_g), embed_g, head_g, bcast_g)
   loss = with_gradients(loss, list(zip(outer, grads)))

@@ -397,34 +397,30 @@ def compare(loss, grads, ref_loss, ref_grads) -> dict:
 
 
 def one_f_one_b_cases() -> dict:
-  """Meshes, microbatches, every remat alias, a scan block with per-layer and
-  broadcast arguments, state, rng: loss and gradients against the plain stack."""
+  """Loss and gradients against the plain stack (``remat="none"``, one device).
+
+  A fold block on pipe:4,data:2 with M=8 > P (the steady state, a data axis
+  inside the stages) and, on the smallest mesh (pipe:2, M=2), every remat
+  alias; a scan block with per-layer and broadcast arguments on
+  pipe:2,fsdp:2,data:2; Haiku state; rng. Each pipelined program is a
+  compile of its own, so the larger meshes take one alias each.
+  """
   out = {}
   inp, tgt = tokens()
-  plain = loss_model(16, None, remat="none")
+  plain = loss_model(8, None, remat="none")
   params = plain.init(jax.random.PRNGKey(0), inp, tgt)
   ref = jax.jit(jax.value_and_grad(plain.apply))(params, inp, tgt)
-  for mesh_name, micro in (("pipe:4,data:2", 4), ("pipe:4,data:2", 8),
-                           ("pipe:2,fsdp:2,data:2", 4)):
-    mesh = make_mesh(MESHES[mesh_name])
-    piped = loss_model(16, st.Pipeline(microbatches=micro, schedule="1f1b"))
-    with jax.set_mesh(mesh):
-      got = jax.jit(jax.value_and_grad(piped.apply))(sharded(params, mesh), inp, tgt)
-    out[f"{mesh_name} M={micro}"] = compare(*got, *ref)
-
-  mesh = make_mesh(MESHES["pipe:2,fsdp:2,data:2"])
-  plain8 = loss_model(8, None, remat="none")
-  params8 = plain8.init(jax.random.PRNGKey(0), inp, tgt)
-  ref8 = jax.jit(jax.value_and_grad(plain8.apply))(params8, inp, tgt)
-  for remat in list(st.REMAT_ALIASES) + ["nested2"]:
-    spec = st.CheckpointPolicy(nested=2) if remat == "nested2" else remat
-    piped = loss_model(8, st.Pipeline(microbatches=4, schedule="1f1b"), spec)
+  runs = [({"pipe": 4, "data": 2}, 8, "full")] + [({"pipe": 2}, 2, r) for r in st.REMAT_ALIASES]
+  for sizes, micro, remat in runs:
+    name = ",".join(f"{k}:{v}" for k, v in sizes.items()) + f" M={micro} remat={remat}"
+    mesh = make_mesh(sizes)
+    piped = loss_model(8, st.Pipeline(microbatches=micro, schedule="1f1b"), remat)
     try:
       with jax.set_mesh(mesh):
-        got = jax.jit(jax.value_and_grad(piped.apply))(sharded(params8, mesh), inp, tgt)
-      out[f"remat {remat}"] = compare(*got, *ref8)
+        out[name] = compare(*jax.jit(jax.value_and_grad(piped.apply))(
+            sharded(params, mesh), inp, tgt), *ref)
     except Exception as e:  # pylint: disable=broad-except
-      out[f"remat {remat}"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+      out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
   out["scan"] = _one_f_one_b_scan(inp, tgt)
   out["state"] = _one_f_one_b_state(inp, tgt)
   out["rng"] = _one_f_one_b_rng(inp, tgt)
@@ -432,30 +428,32 @@ def one_f_one_b_cases() -> dict:
 
 
 def _one_f_one_b_scan(inp, tgt) -> dict:
-  """A scan block (scan_loss) with a per-layer scale and a broadcast bias:
-  the loss, the gradients of params, scale and bias, and the ys."""
+  """A scan block (scan_loss) with a per-layer scale and a broadcast bias on
+  pipe:2,fsdp:2,data:2, remat="nested" (4 layers per stage, so the nested
+  loop has chunks to split): the loss, the gradients of params, scale and
+  bias, and the ys."""
   num_layers = 8
   scale = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (num_layers, 2 * WIDTH))
   bias = 0.1 * jax.random.normal(jax.random.PRNGKey(6), (WIDTH,))
 
-  def make(pipeline):
+  def make(pipeline, remat):
     def f(tokens, targets, scale, bias):
       embed, proj = hk.Embed(VOCAB, WIDTH, name="embed"), hk.Linear(VOCAB, name="out")
 
       def head(x, t):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(proj(x)), t[..., None], -1))
-      return st.Stacked(ScanBlock, num_layers, remat="full", pipeline=pipeline,
+      return st.Stacked(ScanBlock, num_layers, remat=remat, pipeline=pipeline,
                         name="h").scan_loss(embed, head, tokens, targets,
                                             st.per_layer(scale), bias)
     return hk.without_apply_rng(hk.transform(f))
 
   grad = lambda m: jax.jit(jax.value_and_grad(m.apply, argnums=(0, 3, 4), has_aux=True))  # noqa: E731
-  plain = make(None)
+  plain = make(None, "none")
   params = plain.init(jax.random.PRNGKey(0), inp, tgt, scale, bias)
   (ref_loss, ref_ys), ref_grads = grad(plain)(params, inp, tgt, scale, bias)
-  mesh = make_mesh(MESHES["pipe:4,data:2"])
+  mesh = make_mesh(MESHES["pipe:2,fsdp:2,data:2"])
   with jax.set_mesh(mesh):
-    (loss, ys), grads = grad(make(st.Pipeline(microbatches=4, schedule="1f1b")))(
+    (loss, ys), grads = grad(make(st.Pipeline(microbatches=4, schedule="1f1b"), "nested"))(
         sharded(params, mesh), inp, tgt, scale, bias)
   return dict(compare(loss, grads, ref_loss, ref_grads), ys_allclose=allclose(ys, ref_ys),
               ys_shape=list(ys.shape), ref_ys_shape=list(ref_ys.shape),
@@ -513,11 +511,12 @@ def _one_f_one_b_rng(inp, tgt) -> dict:
 
 def memory_case() -> dict:
   """Compiled temp bytes per device of the GPT example's train-step gradient on
-  pipe:4, 1f1b against gpipe, at M = 4 and 32 microbatches of 2 sequences."""
+  pipe:4 under 1f1b, at M = 4 and 32 microbatches of 2 sequences (GPipe's,
+  which grow with M, are in benchmarks/pipeline.py)."""
   from examples.gpt import model as gpt  # pylint: disable=import-outside-toplevel
   mesh = make_mesh({"pipe": 4})
   out = {}
-  for schedule in ("gpipe", "1f1b"):
+  for schedule in ("1f1b",):
     for micro in (4, 32):
       cfg = gpt.GPTConfig(vocab_size=65, seq_len=32, num_layers=8, num_heads=4, d_model=64,
                           remat="full",

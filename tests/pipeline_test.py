@@ -84,16 +84,16 @@ def test_scan_block_with_per_layer_and_broadcast_arguments(cases):
 
 def test_1f1b_loss_and_gradients_match_the_plain_stack(cases):
   one = cases["one_f_one_b"]
-  meshes = [k for k in one if k.startswith("pipe")]
-  remats = [k for k in one if k.startswith("remat ")]
-  assert len(meshes) == 3
-  assert {k[len("remat "):] for k in remats} == set(st.REMAT_ALIASES) | {"nested2"}
-  for name in meshes + remats + ["scan", "rng"]:
+  folds = [k for k in one if k.startswith("pipe")]
+  assert "pipe:4,data:2 M=8 remat=full" in folds   # M > P, a data axis
+  assert {k.split("remat=")[1] for k in folds if k.startswith("pipe:2 ")} == set(
+      st.REMAT_ALIASES)
+  for name in folds + ["scan", "rng"]:
     case = one[name]
     assert "error" not in case, (name, case)
     assert case["loss_allclose"] and case["grads_allclose"], (name, case)
     assert case["grad_max_rel"] < 1e-5 and case["loss_rel"] < 1e-5, (name, case)
-  scan = one["scan"]   # per-layer scale and broadcast bias get their gradients
+  scan = one["scan"]   # pipe:2,fsdp:2,data:2; per-layer scale and broadcast bias get gradients
   assert scan["ys_allclose"] and scan["ys_shape"] == scan["ref_ys_shape"] == [8, 16, 4]
   assert scan["bias_grad_nonzero"]
   assert one["rng"]["key_matters"]
@@ -102,10 +102,11 @@ def test_1f1b_loss_and_gradients_match_the_plain_stack(cases):
 
 
 def test_1f1b_temp_memory_does_not_grow_with_microbatches(cases):
-  # The GPT example's gradient on pipe:4, microbatches of 2 sequences.
+  # The GPT example's gradient on pipe:4, microbatches of 2 sequences: were
+  # all M microbatches' stage inputs kept (as GPipe does), M=32 would need
+  # over 3x M=4's (benchmarks/pipeline.py measures both).
   mem = cases["memory"]
   assert mem["1f1b M=32"] <= 1.25 * mem["1f1b M=4"], mem
-  assert mem["gpipe M=32"] >= 2 * mem["gpipe M=4"], mem
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4), (4, 8), (8, 8), (4, 32)])
