@@ -79,12 +79,13 @@ def gpt_step(label: str, stack: str, remat: Any, size: dict[str, int]):
       remat=False if stack == "hk_layer_stack" else remat)
   if stack == "hk_layer_stack":
     def loss(tokens):
-      x = model_lib._embed(cfg, tokens[:, :-1])  # pylint: disable=protected-access
+      embed, head = model_lib._ends(cfg)  # pylint: disable=protected-access
+      x = embed(tokens[:, :-1])
       block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
       if remat is not None:
         block = hk.remat(block)
       x = hk.layer_stack(cfg.num_layers, name="h")(block)(x)
-      logits = model_lib._head(cfg, x)  # pylint: disable=protected-access
+      logits = head(x)
       nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)
       return jnp.mean(nll)
   else:

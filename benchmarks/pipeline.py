@@ -1,14 +1,15 @@
 """What does a pipelined stack cost and save, per device, measured?
 
-Four questions about ``st.Stacked(..., pipeline=st.Pipeline(...))`` over 8
+Five questions about ``st.Stacked(..., pipeline=st.Pipeline(...))`` over 8
 virtual CPU devices, each answered from the schedule or the compiled program:
 
 1. **Bubble.** The idle share of stage-ticks, counted in the table that the
    pipeline runs (``st.Pipeline(microbatches=M, schedule=...,
    repeats=R).table(P)``), against
-   (P-1)/(M+P-1) for ``gpipe`` and (P-1)/(R*M+P-1) for ``circular``, for
-   every P, M and R asked (``circular`` needs M >= P). They must agree
-   exactly: compared as fractions of whole stage-ticks.
+   (P-1)/(M+P-1) for ``gpipe`` and ``1f1b`` and (P-1)/(R*M+P-1) for
+   ``circular``, for every P, M and R asked (``circular`` and ``1f1b`` need
+   M >= P). They must agree exactly: compared as fractions of whole
+   stage-ticks.
 2. **Resident bytes.** What one device holds of the stack's parameters and
    of its Adam state (``optax.adam``) once placed with
    ``st.stacked_partition_specs(pipelined=["h"])``: the sum over leaves of
@@ -34,13 +35,22 @@ virtual CPU devices, each answered from the schedule or the compiled program:
    gradient leaf against the plain stack's with the same remat, to rtol
    1e-5 (``|a - b| <= 1e-5 * max|b|`` per leaf; the largest difference is in
    the JSON).
+5. **Temp memory against M, gpipe against 1f1b.** The GPT example's
+   training loss (``examples/gpt/model.py``'s ``loss_fn``: embedding, the
+   stack, head and cross entropy; under ``1f1b`` the loss is the stack's
+   call), ``value_and_grad`` on ``pipe:4``, microbatches of a fixed 2
+   sequences, M in 4, 8, 16, 32: compiled temp memory per device of each
+   schedule, each step run once against the plain model on one device (as
+   in 4), and the step's time, the two schedules' rounds alternated.
 
-Wall time is not measured: 8 virtual devices that share two cores say
-nothing about how fast a real pipeline runs. Steps compile with
-``fast_compile.CODEGEN`` (checked once per full run to give the same
-temp bytes as XLA's defaults).
+The step times of 5 are the only wall times, and they say little: the
+virtual devices share two cores, so a step takes about the sum of every
+stage's work (idle ticks included), not the longest stage's; they show what
+each schedule computes in all, never a bubble or an overlap. Steps compile
+with ``fast_compile.CODEGEN`` (checked once per full run to give the same
+temp bytes as XLA's defaults); the timed ones too.
 
-  python benchmarks/pipeline.py               # full run, ~3.5 min on 2 cores
+  python benchmarks/pipeline.py               # full run, 1-3 min on 2 shared cores
   python benchmarks/pipeline.py --quick       # ~20 s (the smoke test)
   python benchmarks/pipeline.py --layers 32 --pipes 4 --remats full
 
@@ -100,20 +110,24 @@ from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
 from benchmarks import models
+from examples.gpt import model as gpt
 # pylint: enable=wrong-import-position
 
 NAME = "pipeline"
 STACK = "h"
 MESHES = ("pipe:8", "pipe:4,data:2", "pipe:2,fsdp:2,data:2", "pipe:4,fsdp:2")
 REMATS = ("full", "nested")
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular")   # the compiled steps of question 3
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "circular")
+AGAINST_M = ("gpipe", "1f1b")
 RTOL = 1e-5
 COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce",
                "reduce-scatter")
 QUICK = ["--layers", "8", "--width", "32", "--heads", "2", "--seq_len", "16",
          "--batch", "8", "--microbatches", "4", "--pipes", "4", "--remats", "full",
          "--stages", "2,4", "--bubble_microbatches", "1,4,8", "--bubble_repeats", "1,2",
-         "--sweep_microbatches"]
+         "--sweep_microbatches", "--against_m", "4,8", "--example_layers", "4",
+         "--time_rounds", "1"]
 
 
 def build_parser():
@@ -140,6 +154,18 @@ def build_parser():
   p.add_argument("--sweep_microbatches", type=int, nargs="*", default=[4, 16],
                  help="more M for the first pipe size's gpipe step (temp memory "
                       "against M), besides --microbatches; none to skip")
+  p.add_argument("--against_m", type=harness.int_list, default=[4, 8, 16, 32],
+                 help="M of question 5 (the GPT example, gpipe against 1f1b)")
+  p.add_argument("--example_pipe", type=int, default=4, help="P of question 5")
+  p.add_argument("--example_layers", type=int, default=8)
+  p.add_argument("--example_width", type=int, default=64)
+  p.add_argument("--example_heads", type=int, default=4)
+  p.add_argument("--example_seq_len", type=int, default=32)
+  p.add_argument("--example_vocab", type=int, default=65)
+  p.add_argument("--example_micro_batch", type=int, default=2,
+                 help="sequences per microbatch (the batch is M times this)")
+  p.add_argument("--time_rounds", type=int, default=5,
+                 help="timed steps per schedule and M, the schedules alternated")
   return p
 
 
@@ -155,12 +181,15 @@ def bubble_rows(stages: list[int], microbatches: list[int],
   a fraction, against the formula as a fraction.
   """
   rows = []
-  for schedule in SCHEDULES:
+  for schedule in BUBBLE_SCHEDULES:
     for p in stages:
-      for r in ([1] if schedule == "gpipe" else repeats):
+      for r in (repeats if schedule == "circular" else [1]):
         for m in microbatches:
-          if schedule == "circular" and m < p:
-            continue  # a microbatch must be back at stage 0 before its next repeat
+          if schedule != "gpipe" and m < p:
+            # circular: a microbatch must be back at stage 0 before its next
+            # repeat; 1f1b: its steady state runs one forward and one
+            # backward on every stage.
+            continue
           table = st.Pipeline(microbatches=m, schedule=schedule, repeats=r).table(p)
           idle, total = int((~table.busy).sum()), int(table.busy.size)
           counted, formula = Fraction(idle, total), Fraction(p - 1, r * m + p - 1)
@@ -343,6 +372,87 @@ def compile_step(model: hk.Transformed, params, x, mesh: Optional[Mesh],
   return compiled, seconds, float(loss), jax.device_get(grads)
 
 
+# ---------------------------------------------------------------------------
+# 5. The GPT example's step against M: gpipe against 1f1b.
+
+
+def example_loss(args, pipeline: Optional[st.Pipeline]) -> hk.Transformed:
+  """The GPT example's training loss (``loss_fn``), its stack named ``h``."""
+  cfg = gpt.GPTConfig(vocab_size=args.example_vocab, seq_len=args.example_seq_len,
+                      num_layers=args.example_layers, num_heads=args.example_heads,
+                      d_model=args.example_width, remat="full", pipeline=pipeline)
+  return hk.without_apply_rng(hk.transform(lambda tokens: gpt.loss_fn(cfg, tokens)[0]))
+
+
+def against_m(args, options) -> dict[str, Any]:
+  """Temp memory per device, numbers against the plain model, and step time
+  of the example's gradient step for each schedule of ``AGAINST_M`` and M.
+
+  The microbatch stays ``--example_micro_batch`` sequences, so the batch
+  grows with M: what a run that raises M to shrink the bubble does. Per M,
+  the plain model's step on one device (the reference), then each
+  schedule's on ``pipe:P``; then ``--time_rounds`` rounds of one step each,
+  the schedules' order alternating from round to round.
+  """
+  stages, rounds = args.example_pipe, args.time_rounds
+  mesh = make_mesh({"pipe": stages})
+  tokens = lambda m: jax.random.randint(  # noqa: E731
+      jax.random.PRNGKey(m), (args.example_micro_batch * m, args.example_seq_len + 1),
+      0, args.example_vocab)
+  plain = example_loss(args, None)
+  params = jax.device_get(jax.jit(plain.init)(jax.random.PRNGKey(0), tokens(1)))
+  placed, _ = place(params, mesh)
+  device = jax.devices()[0]
+  rows = []
+  for m in args.against_m:
+    toks = tokens(m)
+    compiled, _, ref_loss, ref_grads = compile_step(
+        plain, jax.device_put(params, device), jax.device_put(toks, device), None, options)
+    plain_temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    x = jax.device_put(toks, NamedSharding(mesh, PartitionSpec()))
+    steps = {}
+    for schedule in AGAINST_M:
+      model = example_loss(args, st.Pipeline(microbatches=m, schedule=schedule))
+      compiled, seconds, loss, grads = compile_step(model, placed, x, mesh, options)
+      steps[schedule] = compiled
+      row = {"schedule": schedule, "microbatches": m, "stages": stages,
+             "batch": int(toks.shape[0]),
+             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+             "plain_temp_bytes": plain_temp, "compile_seconds": seconds,
+             "loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss),
+             "grads_max_rel_diff": max_rel_diff(grads, ref_grads),
+             "wall_seconds": [], "cpu_seconds": []}
+      row["matches_plain"] = row["loss_rel_diff"] <= RTOL and row["grads_max_rel_diff"] <= RTOL
+      rows.append(row)
+    timed = {r["schedule"]: r for r in rows[-len(AGAINST_M):]}
+    for i in range(rounds):
+      for schedule in (AGAINST_M if i % 2 == 0 else AGAINST_M[::-1]):
+        wall, cpu = instruments.clocks()
+        instruments.block(steps[schedule](placed, x))
+        wall_end, cpu_end = instruments.clocks()
+        timed[schedule]["wall_seconds"].append(wall_end - wall)
+        timed[schedule]["cpu_seconds"].append(cpu_end - cpu)
+    for row in timed.values():
+      row["median_wall_seconds"] = instruments.median(row["wall_seconds"])
+      row["median_cpu_seconds"] = instruments.median(row["cpu_seconds"])
+      harness.log(f"example pipe:{stages} {row['schedule']} M={m}: temp "
+                  f"{row['temp_bytes'] / 2**20:.2f} MiB; step {row['median_wall_seconds']:.3f}s "
+                  f"wall; loss rel diff {row['loss_rel_diff']:.1e}, grads "
+                  f"{row['grads_max_rel_diff']:.1e}")
+  by = {(r["schedule"], r["microbatches"]): r for r in rows}
+  first, last = min(args.against_m), max(args.against_m)
+  growth = {s: by[(s, last)]["temp_bytes"] / by[(s, first)]["temp_bytes"] for s in AGAINST_M}
+  time_ratio = {m: by[("1f1b", m)]["median_wall_seconds"] / by[("gpipe", m)]["median_wall_seconds"]
+                for m in args.against_m}
+  return {"model": {"vocab_size": args.example_vocab, "seq_len": args.example_seq_len,
+                    "num_layers": args.example_layers, "num_heads": args.example_heads,
+                    "d_model": args.example_width, "remat": "full",
+                    "sequences_per_microbatch": args.example_micro_batch},
+          "mesh": f"pipe:{stages}", "rounds": rounds, "rows": rows,
+          "temp_growth": {"from_M": first, "to_M": last, **growth},
+          "step_time_ratio_1f1b_over_gpipe": time_ratio}
+
+
 def markdown(payload: dict[str, Any]) -> str:
   lines = []
   bubble = payload["bubble"]
@@ -354,8 +464,8 @@ def markdown(payload: dict[str, Any]) -> str:
             "|---|---:|" + "---:|" * len(ms)]
   by = {(r["schedule"], r["R"], r["P"], r["M"]): r for r in bubble["rows"]}
   for schedule, r_, p in sorted({(r["schedule"], r["R"], r["P"]) for r in bubble["rows"]},
-                                key=lambda k: (k[0] != "gpipe", k[1], k[2])):
-    name = "gpipe" if schedule == "gpipe" else f"circular R={r_}"
+                                key=lambda k: (BUBBLE_SCHEDULES.index(k[0]), k[1], k[2])):
+    name = f"circular R={r_}" if schedule == "circular" else schedule
     cells = [f"{by[(schedule, r_, p, m)]['bubble']:.3f}" if (schedule, r_, p, m) in by
              else "–" for m in ms]
     lines.append(f"| {name} | {p} | " + " | ".join(cells) + " |")
@@ -430,8 +540,37 @@ def markdown(payload: dict[str, Any]) -> str:
                   for p in sweep["points"]) +
               f"; {sweep['slope_bytes_per_tick'] / 2**20:.2f} MiB more per tick, against "
               f"{sweep['chunk_param_bytes'] / 2**20:.2f} MiB of parameters in one chunk."]
-  lines += ["", "Virtual CPU devices sharing the machine's cores: no wall time is "
-            "measured, and none would say how fast a real pipeline runs."]
+  example = payload.get("against_m")
+  if example:
+    ms = sorted({r["microbatches"] for r in example["rows"]})
+    by = {(r["schedule"], r["microbatches"]): r for r in example["rows"]}
+    model = example["model"]
+    lines += ["", f"**The GPT example against M** ({example['mesh']}; {model['num_layers']} "
+              f"layers, width {model['d_model']}, {model['seq_len']} tokens, "
+              f"{model['sequences_per_microbatch']} sequences per microbatch, remat=full; "
+              "temp per device in MiB, the median step of "
+              f"{example['rounds']} in seconds, wall)", "",
+              "| schedule | " + " | ".join(f"M={m}" for m in ms) +
+              f" | M={ms[-1]} / M={ms[0]} |",
+              "|---|" + "---:|" * (len(ms) + 1)]
+    growth = example["temp_growth"]
+    for schedule in AGAINST_M:
+      lines.append(f"| {schedule} temp | " + " | ".join(
+          f"{by[(schedule, m)]['temp_bytes'] / 2**20:.2f}" for m in ms) +
+          f" | {growth[schedule]:.3f} |")
+    lines.append("| plain, 1 device, temp | " + " | ".join(
+        f"{by[('gpipe', m)]['plain_temp_bytes'] / 2**20:.2f}" for m in ms) + " | |")
+    for schedule in AGAINST_M:
+      lines.append(f"| {schedule} step (s) | " + " | ".join(
+          f"{by[(schedule, m)]['median_wall_seconds']:.3f}" for m in ms) + " | |")
+    lines.append("| 1f1b / gpipe step | " + " | ".join(
+        f"{example['step_time_ratio_1f1b_over_gpipe'][m]:.2f}" for m in ms) + " | |")
+    worst = max(max(r["loss_rel_diff"], r["grads_max_rel_diff"]) for r in example["rows"])
+    lines += ["", f"Every step against the plain model on one device: largest relative "
+              f"difference {worst:.1e} (loss or a gradient leaf)."]
+  lines += ["", "Virtual CPU devices sharing the machine's cores: a step time is about "
+            "the sum of every stage's work, idle ticks included; it says nothing of how "
+            "fast a real pipeline runs."]
   return "\n".join(lines)
 
 
@@ -440,13 +579,15 @@ def draw(payload: dict[str, Any]):
   res = payload["resident"]["rows"]
   comp = payload["compiled"]["rows"]
   sweep = payload["compiled"].get("sweep")
+  example = payload.get("against_m")
 
   def fig_fn(plt):
-    panels = 4 if sweep else 3
+    panels = 3 + bool(sweep) + bool(example)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.6))
     ax_b, ax_m, ax_t = axes[:3]
     stages = sorted({r["P"] for r in bubble})
-    kinds = sorted({(r["schedule"], r["R"]) for r in bubble}, key=lambda k: (k[0] != "gpipe", k[1]))
+    kinds = sorted({(r["schedule"], r["R"]) for r in bubble},
+                   key=lambda k: (BUBBLE_SCHEDULES.index(k[0]), k[1]))
     styles = dict(zip(kinds, [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]))
     for i, p in enumerate(stages):
       for key in kinds:
@@ -456,7 +597,7 @@ def draw(payload: dict[str, Any]):
           continue
         m, counted, formula = zip(*pts)
         ls, marker = styles[key]
-        label = f"P={p} " + ("gpipe" if key[0] == "gpipe" else f"circular R={key[1]}")
+        label = f"P={p} " + (f"circular R={key[1]}" if key[0] == "circular" else key[0])
         ax_b.plot(m, counted, ls, marker=marker, color=f"C{i}", label=label, ms=5)
         ax_b.plot(m, formula, "x", color="black", ms=4)
     ax_b.set_xscale("log", base=2)
@@ -508,6 +649,26 @@ def draw(payload: dict[str, Any]):
       ax_s.set_title(f"Temp memory against M\n({sweep['mesh']} {sweep['schedule']}, "
                      f"remat={sweep['remat']})")
       ax_s.legend(fontsize=8)
+    if example:
+      ax_e = axes[-1]
+      ms = sorted({r["microbatches"] for r in example["rows"]})
+      for i, schedule in enumerate(AGAINST_M):
+        temp = [r["temp_bytes"] / 2**20 for m in ms for r in example["rows"]
+                if (r["schedule"], r["microbatches"]) == (schedule, m)]
+        ax_e.plot(ms, temp, "o-" if i == 0 else "s-", label=f"{schedule}, per device")
+      plain = [r["plain_temp_bytes"] / 2**20 for m in ms for r in example["rows"]
+               if (r["schedule"], r["microbatches"]) == (AGAINST_M[0], m)]
+      ax_e.plot(ms, plain, "^:", color="gray", label="plain model, 1 device")
+      ax_e.set_xscale("log", base=2)
+      ax_e.set_yscale("log", base=2)
+      ax_e.set_xticks(ms, [str(m) for m in ms])
+      ax_e.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+      ax_e.set_xlabel(f"microbatches M (of {example['model']['sequences_per_microbatch']} "
+                      "sequences)")
+      ax_e.set_ylabel("compiled temp MiB")
+      ax_e.set_title(f"GPT example's gradient step against M\n({example['mesh']}, "
+                     f"{example['model']['num_layers']} layers, remat=full)")
+      ax_e.legend(fontsize=8)
     for ax in axes:
       ax.grid(True, axis="y", alpha=0.3)
     return fig
@@ -684,9 +845,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   else:
     comp_checked = []
 
+  example = against_m(args, steps.options) if args.against_m else None
+  example_rows = example["rows"] if example else []
+
   checked = comp_rows + comp_checked
   mismatches = [f"{r['mesh']} {r['schedule']} M={r['microbatches']} {r['remat']}"
-                for r in checked if not r["matches_plain"]]
+                for r in checked if not r["matches_plain"]] + [
+                    f"example {r['schedule']} M={r['microbatches']}"
+                    for r in example_rows if not r["matches_plain"]]
   key = lambda r: f"{r['remat']}/{r['mesh']}/{r['schedule']}"  # noqa: E731
   payload = {
       "question": __doc__.strip().splitlines()[0],
@@ -706,6 +872,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                  "max_float_diff": max(r["float_diff"] for r in rows)},
       "resident": {"plain": plain, "rows": res_rows},
       "compiled": {"rows": comp_rows, "sweep": sweep, "fast_compile_check": fast_check},
+      "against_m": example,
       "summary": {
           "bubble_all_exact": exact == len(rows),
           "resident_ratios": {r["mesh"]: {"params": r["param_ratio"], "adam": r["opt_ratio"],
@@ -717,11 +884,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               key(r): {op: c["parameters"] for op, c in r["collectives"].items()
                        if c["parameters"]} for r in comp_rows},
           "temp_slope_over_chunk_params": sweep and sweep["slope_over_chunk_params"],
-          "cases_checked": len(checked),
+          "example_temp_growth": example and example["temp_growth"],
+          "example_1f1b_growth_at_most_1_25": example and example["temp_growth"]["1f1b"] <= 1.25,
+          "example_step_time_ratio_1f1b_over_gpipe": (
+              example and example["step_time_ratio_1f1b_over_gpipe"]),
+          "cases_checked": len(checked) + len(example_rows),
           "all_match_plain": not mismatches,
           "mismatches": mismatches,
-          "max_grads_rel_diff": max((r["grads_max_rel_diff"] for r in checked), default=0.0),
-          "max_loss_rel_diff": max((r["loss_rel_diff"] for r in checked), default=0.0),
+          "max_grads_rel_diff": max((r["grads_max_rel_diff"] for r in checked + example_rows),
+                                    default=0.0),
+          "max_loss_rel_diff": max((r["loss_rel_diff"] for r in checked + example_rows),
+                                   default=0.0),
       },
       "seconds": time.perf_counter() - start,
   }

@@ -211,6 +211,31 @@ class BlockArguments:
         else:
           self.by_kind[key] = arg.value
 
+  @property
+  def broadcast(self) -> dict[str, PyTree]:
+    """The arguments every layer gets whole, by key (``arg0``, ``kw_mask``)."""
+    marker = (PerLayer, _kinds.PerKind)
+    out = {f"arg{i}": a for i, a in enumerate(self._args) if not isinstance(a, marker)}
+    out.update({f"kw_{k}": a for k, a in self._kwargs.items()
+                if not isinstance(a, marker)})
+    return out
+
+  @contextlib.contextmanager
+  def broadcast_as(self, values: Mapping[str, PyTree]) -> Iterator[None]:
+    """Layers bound inside see ``values`` (keys of :attr:`broadcast`) instead.
+
+    A 1F1B pipeline differentiates its stages itself: the broadcast
+    arguments must be inputs of the function it differentiates, not values
+    its layers close over.
+    """
+    saved = self._args, self._kwargs
+    self._args = tuple(values.get(f"arg{i}", a) for i, a in enumerate(self._args))
+    self._kwargs = {k: values.get(f"kw_{k}", a) for k, a in self._kwargs.items()}
+    try:
+      yield
+    finally:
+      self._args, self._kwargs = saved
+
   def bind(self, sliced: Mapping[str, PyTree],
            kind: Optional[str] = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with per-layer ones replaced by one layer's slice.
@@ -555,7 +580,7 @@ class StackModule(hk.Module):
   # Named like __call__ so that fold and scan create the same parameter names
   # (Haiku would otherwise scope modules made inside fold under "~fold").
   @hk.experimental.name_like("__call__")
-  def _apply(self, x, args, kwargs, *, mode):
+  def _apply(self, x, args, kwargs, *, mode, ends=None):
     owner = type(self).__name__
     with _checks.subject(owner):
       if isinstance(x, (PerLayer, _kinds.PerKind)):
@@ -565,10 +590,12 @@ class StackModule(hk.Module):
       if self.pattern is not None:   # one inner transform per kind
         inners = {name: make_inner(self.pattern.block_call(name, mode), arguments, name)
                   for name in self.pattern.names}
-        return self.run_layers(inners, x, arguments, self.pattern, mode)
+        return self.run_layers(inners, x, arguments, self.pattern, mode,
+                               **({} if ends is None else {"ends": ends}))
 
       def block_call(x, *a, **k):
         return self.make_block()(x, *a, **k)
 
       return self.run_layers({BLOCK: make_inner(block_call, arguments)}, x, arguments,
-                             _kinds.Pattern.uniform(self.num_layers, BLOCK), mode)
+                             _kinds.Pattern.uniform(self.num_layers, BLOCK), mode,
+                             **({} if ends is None else {"ends": ends}))

@@ -28,6 +28,7 @@ so checkpoints move between pipelined and plain runs unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -43,7 +44,7 @@ from stacktools import policy as policy_lib
 
 PyTree = Any
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +106,10 @@ class Pipeline:
     if self.schedule not in SCHEDULES:
       raise ValueError(f"st.Pipeline: schedule={self.schedule!r} is not one of "
                        f"{list(SCHEDULES)}.")
-    if self.schedule == "gpipe" and self.repeats != 1:
+    if self.schedule in ("gpipe", "1f1b") and self.repeats != 1:
       raise ValueError(
-          f"st.Pipeline: schedule='gpipe' passes each stage once, so repeats must "
-          f"be 1, got {self.repeats}. For {self.repeats} passes over interleaved "
+          f"st.Pipeline: schedule={self.schedule!r} passes each stage once, so repeats "
+          f"must be 1, got {self.repeats}. For {self.repeats} passes over interleaved "
           "stages use schedule='circular'.")
     if self.mesh is not None and self.axis not in self.mesh.shape:
       raise ValueError(
@@ -164,6 +165,12 @@ class Pipeline:
           f"stages (a microbatch must be back at the first stage before its next "
           f"repeat), got microbatches={self.microbatches} for {stages} stages. "
           f"Use microbatches >= {stages}, or schedule='gpipe'.")
+    if self.schedule == "1f1b" and self.microbatches < stages:
+      raise ValueError(
+          f"{_checks.where()}a 1f1b schedule needs at least as many microbatches as "
+          f"stages (its steady state runs one forward and one backward per stage), "
+          f"got microbatches={self.microbatches} for {stages} stages. Use "
+          f"microbatches >= {stages}, or schedule='gpipe'.")
     return num_layers // chunks
 
   def table(self, stages: int) -> "Schedule":
@@ -185,6 +192,8 @@ class Pipeline:
     if count is None or count < 1:
       raise ValueError(f"st.Pipeline.table: stages must be an int >= 1, got "
                        f"{_checks.show(stages)}.")
+    if self.schedule == "1f1b":
+      return one_f_one_b(count, self.microbatches)
     return schedule(count, self.microbatches, self.repeats)
 
 
@@ -198,6 +207,7 @@ class Schedule(NamedTuple):
   microbatch: np.ndarray   # int32 [T, P]; 0 where idle
   repeat: np.ndarray       # int32 [T, P]; 0 where idle
   busy: np.ndarray         # bool [T, P]
+  backward: Optional[np.ndarray] = None   # bool [T, P]: a backward (1f1b only)
 
   @property
   def bubble(self) -> float:
@@ -234,6 +244,59 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
   jj = np.where(busy, j, 0)
   return Schedule(microbatch=(jj % microbatches).astype(np.int32),
                   repeat=(jj // microbatches).astype(np.int32), busy=busy)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+  """The 1F1B table (Narayanan et al. 2021): forwards and backwards interleaved.
+
+  A tick is one forward or one backward of one microbatch on one stage.
+  Stage ``s`` runs a backward as soon as it can (its microbatch's backward
+  has left stage ``s+1`` on an earlier tick; on the last stage, its forward
+  has), otherwise the next forward if that microbatch has arrived and fewer
+  than ``P - s`` microbatches are between their forward and backward there.
+  That cap is what keeps activation memory flat in M: a stage holds the
+  inputs of at most ``P`` microbatches. There are ``2 * (M + P - 1)`` ticks,
+  so the bubble is ``(P-1) / (M+P-1)``, GPipe's.
+
+  Example::
+
+    table = one_f_one_b(4, 8)
+    assert table.busy.shape == (22, 4)
+    assert np.isclose(table.bubble, 3 / 11)
+
+  Args:
+    stages: P.
+    microbatches: M.
+
+  Returns:
+    A :class:`Schedule` whose ``backward`` marks the backward ticks.
+  """
+  done_f, done_b = {}, {}   # (microbatch, stage) -> tick
+  next_f, next_b = [0] * stages, [0] * stages
+  rows, never = [], 1 << 30
+  while min(next_b) < microbatches:
+    t, row = len(rows), []
+    for s in range(stages):
+      mb, mf = next_b[s], next_f[s]
+      last = s == stages - 1
+      ready = done_f.get((mb, s), never) if last else done_b.get((mb, s + 1), never)
+      if mb < mf and ready < t:
+        row.append((2, mb))
+      elif (mf < microbatches and (s == 0 or done_f.get((mf, s - 1), never) < t)
+            and mf - mb < stages - s):
+        row.append((1, mf))
+      else:
+        row.append((0, 0))
+    for s, (op, m) in enumerate(row):
+      if op == 1:
+        done_f[(m, s)], next_f[s] = t, next_f[s] + 1
+      elif op == 2:
+        done_b[(m, s)], next_b[s] = t, next_b[s] + 1
+    rows.append(row)
+  ops = np.asarray([[op for op, _ in row] for row in rows], np.int32)
+  micro = np.asarray([[m for _, m in row] for row in rows], np.int32)
+  return Schedule(microbatch=micro, repeat=np.zeros_like(micro), busy=ops > 0,
+                  backward=ops == 2)
 
 
 # ---------------------------------------------------------------------------
@@ -313,6 +376,30 @@ class StageLayers(NamedTuple):
   index: jax.Array
 
 
+def _stage_chunk(body, make_slice, policy, unroll, x_in, local, state, repeat,
+                 microbatch):
+  """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
+
+  Each layer's parameters are picked from the stage's ``[R, K, ...]``
+  arrays inside the layer's step, that is inside its checkpoint: the
+  backward pass then keeps the stage's own parameters once (a loop
+  invariant) rather than a copy of every chunk at every tick.
+  """
+  def layer_step(carry, xs):
+    k, layer_state = xs
+    pick = lambda a: a[repeat, k]  # noqa: E731
+    rng = None
+    if local.rng is not None:   # a fresh key per microbatch, the same on every stage
+      rng = jax.random.fold_in(pick(local.rng), microbatch)
+    layer = make_slice(jax.tree_util.tree_map(pick, local.params), layer_state, rng,
+                       jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
+    return body(carry, layer)
+
+  chunk_size = local.index.shape[1]
+  return loops.loop(layer_step, x_in, (jnp.arange(chunk_size), state), chunk_size,
+                    policy, unroll)
+
+
 def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
         layers: StageLayers, make_slice: Callable[..., Any], *,
         pipeline: Pipeline, stages: int, policy: policy_lib.CheckpointPolicy,
@@ -343,26 +430,8 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
   shift = [(s, (s + 1) % stages) for s in range(stages)]
 
   def stage_chunk(x_in, local, state, repeat, microbatch):
-    """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
-
-    Each layer's parameters are picked from the stage's ``[R, K, ...]``
-    arrays inside the layer's step, that is inside its checkpoint: the
-    backward pass then keeps the stage's own parameters once (a loop
-    invariant) rather than a copy of every chunk at every tick.
-    """
-    def layer_step(carry, xs):
-      k, layer_state = xs
-      pick = lambda a: a[repeat, k]  # noqa: E731
-      rng = None
-      if local.rng is not None:   # a fresh key per microbatch, the same on every stage
-        rng = jax.random.fold_in(pick(local.rng), microbatch)
-      layer = make_slice(jax.tree_util.tree_map(pick, local.params), layer_state, rng,
-                         jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
-      return body(carry, layer)
-
-    chunk_size = local.index.shape[1]
-    return loops.loop(layer_step, x_in, (jnp.arange(chunk_size), state), chunk_size,
-                      policy, unroll)
+    return _stage_chunk(body, make_slice, policy, unroll, x_in, local, state, repeat,
+                        microbatch)
 
   def probe_ys():
     local = jax.tree_util.tree_map(lambda a: a[0], staged)
@@ -439,3 +508,230 @@ def run(body: Callable[[PyTree, Any], tuple[PyTree, Any]], x: PyTree,
   # [P, R, K, M, mb, ...] -> [L, M, mb, ...] -> [L, B, ...]
   ys = merge_microbatches(from_stages(ys), axis=1) if ys_shape is not None else None
   return new_x, ys, new_state
+
+
+# ---------------------------------------------------------------------------
+# 1F1B: forward and backward in one loop, the loss inside it.
+
+
+class Ends(NamedTuple):
+  """The parts around a stack that a 1F1B pipeline runs per microbatch.
+
+  ``embed(embed_params, inputs) -> x`` runs on the first stage and
+  ``head(head_params, x, targets) -> loss`` (a scalar: the microbatch's mean)
+  on the last; both are pure. ``broadcast`` holds the block's broadcast
+  arguments and ``with_broadcast(values)`` a context in which the block
+  sees ``values`` instead, so that their gradients come out too.
+  """
+
+  embed: Callable[..., PyTree]
+  head: Callable[..., jax.Array]
+  embed_params: PyTree
+  head_params: PyTree
+  inputs: PyTree
+  targets: PyTree
+  broadcast: PyTree
+  with_broadcast: Callable[[PyTree], Any]
+
+
+def _inexact(tree: PyTree) -> list[bool]:
+  return [jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact)
+          for a in jax.tree_util.tree_leaves(tree)]
+
+
+def _split(tree: PyTree) -> tuple[list[Any], Callable[[list[Any]], PyTree]]:
+  """The float leaves of ``tree`` (what has a gradient), and how to put them back."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  mask = _inexact(tree)
+
+  def rebuild(floats):
+    it = iter(floats)
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(it) if m else a for a, m in zip(leaves, mask)])
+  return [a for a, m in zip(leaves, mask) if m], rebuild
+
+
+def with_gradients(value: jax.Array, pairs: list[tuple[PyTree, PyTree]]) -> jax.Array:
+  """``value``, whose gradient with respect to each ``v`` is the given ``g``.
+
+  ``value + sum(g . (v - stop_gradient(v)))``: the added term is exactly 0,
+  and its derivative in ``v`` is ``g``. This is how a loss whose gradients
+  the pipeline computed itself (each stage's ``jax.vjp``) takes part in an
+  outer ``jax.grad`` as if it had been differentiated there.
+  """
+  out = lax.stop_gradient(value)
+  for values, grads in pairs:
+    for v, g in zip(jax.tree_util.tree_leaves(values), jax.tree_util.tree_leaves(grads)):
+      if jnp.issubdtype(v.dtype, jnp.inexact):
+        out = out + jnp.vdot(lax.stop_gradient(g).astype(v.dtype),
+                             v - lax.stop_gradient(v)).astype(out.dtype)
+  return out
+
+
+def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLayers,
+             make_slice: Callable[..., Any], ends: Ends, *, pipeline: Pipeline,
+             stages: int, policy: policy_lib.CheckpointPolicy, unroll: Any
+             ) -> tuple[jax.Array, PyTree, PyTree]:
+  """Runs embed, the layers and head as a 1F1B pipeline; ``(loss, ys, state)``.
+
+  One ``shard_map`` over the pipe axis runs a ``lax.scan`` over the ticks of
+  :func:`one_f_one_b`. At each tick a stage looks up its op and switches:
+
+  * forward of microbatch ``m``: its layers (after ``embed`` on the first
+    stage) on the input that arrived for ``m``; on the last stage ``head``
+    gives ``m``'s loss. The input and the layers' state stay in slot
+    ``m % P`` of the stage's buffers, the output goes to the next stage.
+  * backward of ``m``: ``jax.vjp`` of the same function at slot ``m % P``
+    (so it recomputes the forward, each layer with the stack's checkpoint
+    policy), pulled back from the cotangent the next stage sent (on the last
+    stage, from ``1/M`` on the loss); the gradients add up and the input's
+    cotangent goes to the previous stage.
+
+  Two ``ppermute`` per tick carry activations forward and cotangents back.
+  The schedule keeps at most ``P - s`` microbatches between forward and
+  backward on stage ``s``, so ``P`` slots suffice whatever M is.
+
+  Returns:
+    The mean of the microbatches' losses, carrying the gradients of the
+    layers' parameters and per-layer arguments, the broadcast arguments and
+    ``embed``'s and ``head``'s parameters (see :func:`with_gradients`); each
+    layer's ``y`` (``[L, B, ...]``, no gradient; ``None`` for a fold) and the
+    new per-layer state.
+  """
+  micro, axis = pipeline.microbatches, pipeline.axis
+  table = one_f_one_b(stages, micro)
+  ops = np.where(table.backward, 2, table.busy.astype(np.int32)).astype(np.int32)
+  inputs = split_microbatches(ends.inputs, micro)
+  targets = split_microbatches(ends.targets, micro)
+  staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, 1), pipeline)
+  take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)  # noqa: E731
+  zeros_like = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)  # noqa: E731
+  # What has a gradient: layer params, per-layer args, embed's and head's
+  # params, broadcast args (their float leaves).
+  outer = (layers.params, layers.sliced, ends.embed_params, ends.head_params,
+           ends.broadcast)
+  x_shape = jax.eval_shape(ends.embed, ends.embed_params, take(inputs, 0))
+  loss_shape = jax.eval_shape(ends.head, ends.head_params, x_shape, take(targets, 0))
+  if loss_shape.shape != ():
+    raise ValueError(
+        f"{_checks.where()}a 1f1b pipeline's head must return one number per "
+        f"microbatch (its mean loss), got shape {tuple(loss_shape.shape)}.")
+
+  def per_device(inputs, targets, staged, embed_params, head_params, broadcast, ops,
+                 micro_idx):
+    stage = lax.axis_index(axis)
+    first, last = stage == 0, stage == stages - 1
+    local = take(staged, 0)   # [1, K, ...]
+    diff, rebuild = _split((local.params, local.sliced, embed_params, head_params,
+                            broadcast))
+
+    def forward(diff, state, x_in, m):
+      params, sliced, e_params, h_params, bcast = rebuild(diff)
+      x0 = jax.tree_util.tree_map(functools.partial(jnp.where, first),
+                                  ends.embed(e_params, take(inputs, m)), x_in)
+      with ends.with_broadcast(bcast):
+        x1, results = _stage_chunk(body, make_slice, policy, unroll, x0,
+                                   local._replace(params=params, sliced=sliced),
+                                   state, 0, m)
+      loss = jnp.where(last, ends.head(h_params, x1, take(targets, m)), 0)
+      return (x1, loss), (results[0], results[1])
+
+    state0 = take(local.state, 0)
+    ys_shape = jax.eval_shape(
+        lambda d, s, x: forward(d, s, x, 0)[1][0], diff, state0, x_shape)
+    x_zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), x_shape)
+    slots = lambda t: jax.tree_util.tree_map(  # noqa: E731
+        lambda a: jnp.zeros((stages,) + a.shape, a.dtype), t)
+
+    def fwd_op(carry, m):
+      slot = m % stages
+      (x1, loss), (ys, new_state) = forward(diff, carry["state"],
+                                            take(carry["inputs"], slot), m)
+      carry = dict(carry, state=new_state, loss=carry["loss"] + loss / micro,
+                   states=jax.tree_util.tree_map(lambda b, v: b.at[slot].set(v),
+                                                 carry["states"], carry["state"]))
+      if ys is not None:
+        carry["ys"] = jax.tree_util.tree_map(lambda b, y: b.at[:, m].set(y),
+                                             carry["ys"], ys)
+      return carry, x1, x_zero
+
+    def bwd_op(carry, m):
+      slot = m % stages
+      state, x_in = take(carry["states"], slot), take(carry["inputs"], slot)
+      (_, loss), pull, _ = jax.vjp(lambda d, x: forward(d, state, x, m), diff, x_in,
+                                   has_aux=True)
+      cotangent = jax.tree_util.tree_map(
+          lambda c: jnp.where(last, jnp.zeros_like(c), c), take(carry["cotangents"], slot))
+      grads, dx = pull((cotangent, jnp.where(last, 1.0 / micro, 0.0).astype(loss.dtype)))
+      carry = dict(carry, grads=jax.tree_util.tree_map(jnp.add, carry["grads"], grads))
+      return carry, x_zero, dx
+
+    fwd_shift = [(s, s + 1) for s in range(stages - 1)]
+    bwd_shift = [(s + 1, s) for s in range(stages - 1)]
+
+    def tick(carry, t):
+      m, op = micro_idx[t, stage], ops[t, stage]
+      # Both slots run every tick and the op picks one: a lax.switch would
+      # skip the other, but stages would then take different branches, and
+      # the collectives XLA puts inside them (a data axis's sums) must be
+      # entered by every device.
+      after_f, x1, _ = fwd_op(carry, m)
+      after_b, _, dx = bwd_op(carry, m)
+      carry = jax.tree_util.tree_map(
+          lambda f, b, c: jnp.where(op == 1, f, jnp.where(op == 2, b, c)),
+          after_f, after_b, carry)
+      sent_f = jax.tree_util.tree_map(lambda a: jnp.where(op == 1, a, 0), x1)
+      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(op == 2, a, 0), dx)
+      got_f = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, fwd_shift), sent_f)
+      # One collective after the other on every device: run side by side,
+      # devices could enter them in different orders and wait on each other.
+      got_f, sent_b = lax.optimization_barrier((got_f, sent_b))
+      got_b = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, bwd_shift), sent_b)
+      # What arrived goes into the slot of its microbatch: an input from the
+      # previous stage's forward, a cotangent from the next stage's backward.
+      prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, stages - 1)
+      for key, got, peer, op, ok in (("inputs", got_f, prev, 1, stage > 0),
+                                     ("cotangents", got_b, nxt, 2, stage < stages - 1)):
+        keep = ok & (ops[t, peer] == op)
+        slot = micro_idx[t, peer] % stages
+        carry[key] = jax.tree_util.tree_map(
+            lambda b, v: b.at[slot].set(jnp.where(keep, v, b[slot])), carry[key], got)
+      return carry, None
+
+    carry = {"inputs": slots(x_zero), "cotangents": slots(x_zero), "states": slots(state0),
+             "state": state0, "grads": zeros_like(diff),
+             "loss": jnp.zeros((), loss_shape.dtype),
+             "ys": jax.tree_util.tree_map(
+                 lambda s: jnp.zeros(s.shape[:1] + (micro,) + s.shape[1:], s.dtype),
+                 ys_shape)}
+    carry, _ = lax.scan(tick, carry, jnp.arange(ops.shape[0]))
+    params_g, sliced_g, embed_g, head_g, bcast_g = rebuild(carry["grads"])
+    # Only the first stage has embed's gradient, the last head's and the
+    # loss; every stage adds to the broadcast arguments'.
+    shared = lax.psum((carry["loss"], embed_g, head_g, bcast_g), axis)
+    expand = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
+    # Per stage: [1, 1, K, ...], the [P, R, K, ...] layout of to_stages.
+    return (shared, expand((params_g, sliced_g)), expand(expand(carry["ys"])),
+            expand(expand(carry["state"])))
+
+  spec, whole = PartitionSpec(axis), PartitionSpec()
+  # check_vma=False: as in run(), the buffers start equal on every stage
+  # and vary by stage once a ppermute has filled them.
+  mapped = jax.shard_map(
+      per_device, mesh=pipeline.mesh,
+      in_specs=(whole, whole, spec, whole, whole, whole, whole, whole),
+      out_specs=(whole, spec, spec, spec), axis_names=frozenset({axis}),
+      check_vma=False)
+  # The loop computes its own gradients (with_gradients below adds them):
+  # cut its inputs off from an outer jax.grad, which would otherwise
+  # linearize the whole loop only to drop the result.
+  (loss, embed_g, head_g, bcast_g), (params_g, sliced_g), ys, state = mapped(
+      *lax.stop_gradient((inputs, targets, staged, ends.embed_params, ends.head_params,
+                          ends.broadcast)),
+      jnp.asarray(ops), jnp.asarray(table.microbatch))
+  grads = (from_stages(params_g), from_stages(sliced_g), embed_g, head_g, bcast_g)
+  loss = with_gradients(loss, list(zip(outer, grads)))
+  # [P, 1, K, M, mb, ...] -> [L, M, mb, ...] -> [L, B, ...]
+  if ys is not None:
+    ys = lax.stop_gradient(merge_microbatches(from_stages(ys), axis=1))
+  return loss, ys, from_stages(state)

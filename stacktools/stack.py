@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,7 +52,8 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
                 arguments: _layers.BlockArguments, *, pattern: _kinds.Pattern,
                 mode: str, remat: Any, unroll: Union[int, bool], reverse: bool,
                 pipeline: Optional[pipeline_lib.Pipeline] = None,
-                layer_drop: Optional[np.ndarray] = None) -> tuple[PyTree, PyTree]:
+                layer_drop: Optional[np.ndarray] = None,
+                ends: Optional[tuple[Any, ...]] = None) -> tuple[PyTree, PyTree]:
   """Inits (vmapped, per kind) and applies (the engine) a stack.
 
   Call inside the stack's module. A stack of one block is the pattern of one
@@ -66,8 +68,32 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
   the layers as that pipeline; init (never differentiated, never split) runs
   them as a plain stack.
+
+  With ``ends = (embed, head, inputs, targets)`` (:meth:`Stacked.loss`) the
+  carry is ``embed(inputs)`` and the result ``(head(x, targets), ys)``; a
+  ``1f1b`` pipeline runs all three per microbatch in its own loop.
   """
   n = pattern.num_layers
+  stages = pipeline.stages() if pipeline is not None else 1
+  one_f_one_b = (stages > 1 and pipeline.schedule == "1f1b" and not hk.running_init())
+  if one_f_one_b and ends is None:
+    raise ValueError(
+        f"{_checks.where()}schedule='1f1b' computes the loss inside the pipeline, so "
+        "the stack must be called with the parts around it: "
+        "blocks.loss(embed, head, inputs, targets) (or scan_loss), not fold or "
+        "scan; or use schedule='gpipe'.")
+  if ends is not None:
+    embed, head, inputs, targets = ends
+    if one_f_one_b:   # the carry is only a shape here; the pipeline embeds
+      micro = pipeline.microbatches
+      first = lambda t: jax.tree_util.tree_map(lambda a: a[::micro], t)  # noqa: E731
+      embed, embed_params = _explicit_params(embed, "embed", first(inputs))
+      x_micro = jax.eval_shape(embed, embed_params, first(inputs))
+      head, head_params = _explicit_params(head, "head", x_micro, first(targets))
+      x = jax.tree_util.tree_map(
+          lambda s: jnp.zeros((s.shape[0] * micro,) + s.shape[1:], s.dtype), x_micro)
+    else:
+      x = embed(inputs)
   keys = _layers.draw_layer_keys(n)
   xs, updaters = {}, {}
   for kind in pattern.names:
@@ -98,7 +124,6 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   plan = loops.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
       tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
-  stages = pipeline.stages() if pipeline is not None else 1
   if stages > 1 and not hk.running_init():
     pipeline.check(n, stages)
     for arg in list(arguments.in_place.values())[:1]:
@@ -112,23 +137,84 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
           "segments. Pass one policy (e.g. remat='full' or 'nested'), or run "
           "without a pipeline.")
     (kind,) = pattern.names
+    if one_f_one_b:
+      loss, ys, new_state = pipeline_lib.run_1f1b(
+          steps[kind], pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
+          pipeline_lib.Ends(embed, head, embed_params, head_params, inputs, targets,
+                            arguments.broadcast, arguments.broadcast_as),
+          pipeline=pipeline, stages=stages, policy=plan.segments[0].policy,
+          unroll=unroll)
+      updaters[kind].update(new_state)
+      return loss, ys
     x, ys, new_state = pipeline_lib.run(
         steps[kind], x, pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
         pipeline=pipeline, stages=stages, policy=plan.segments[0].policy,
         unroll=unroll)
     updaters[kind].update(new_state)
-    return x, ys
+    return _finish(x, ys, ends)
   x, results = loops.run(steps, x, xs, pattern, plan, unroll=unroll)
   for kind in pattern.names:
     updaters[kind].update(results[kind].state)
   if mode == "fold":
-    return x, None
+    return _finish(x, None, ends)
   ys = pattern.outputs({k: r.y for k, r in results.items()})
   if arguments.in_place:   # the layers' writes, in place after the loop
     ys = _in_place.fill(ys, arguments.written(
         {k: r.writes for k, r in results.items()}, pattern))
-  return x, ys
+  return _finish(x, ys, ends)
 
+
+def _finish(x: PyTree, ys: PyTree, ends: Optional[tuple[Any, ...]]) -> tuple[PyTree, PyTree]:
+  """``(x, ys)``; with ``ends``, ``(head(x, targets), ys)`` as :meth:`Stacked.loss`
+  returns it (``ys`` without a gradient, as a 1F1B pipeline gives them)."""
+  if ends is None:
+    return x, ys
+  _, head, _, targets = ends
+  return head(x, targets), None if ys is None else jax.lax.stop_gradient(ys)
+
+
+def _explicit_params(fn: Callable[..., Any], role: str,
+                     *example: Any) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
+  """``fn`` (Haiku code) as ``fn(params, *args)``, and the params it reads.
+
+  The parameters are looked up by full name in the transform's own (a
+  ``hk.custom_getter`` records them, then substitutes the values given), so
+  ``fn``'s parameters keep their names: the same tree with or without a
+  pipeline.
+  """
+  def names():
+    seen = {}
+
+    def record(next_getter, value, context):
+      seen[context.full_name] = value
+      return next_getter(value)
+
+    with hk.custom_getter(record):
+      jax.eval_shape(lambda *a: fn(*a), *example)   # a fresh trace each time
+    return seen
+
+  params = names()
+  try:
+    again = names()
+  except ValueError:   # Haiku's: a module built anew has no parameters
+    again = None
+  if again is None or set(again) != set(params):
+    raise ValueError(
+        f"{_checks.where()}Stacked.loss: {role} creates new Haiku modules each time it "
+        f"is called (its parameters were {sorted(params)} the first time), but a "
+        "1f1b pipeline calls it once per microbatch. Construct its modules "
+        "before blocks.loss and call them inside (e.g. proj = hk.Linear(n); "
+        "head = lambda x, t: loss(proj(x), t)).")
+
+  def explicit(values, *args):
+    def substitute(next_getter, value, context):
+      del value
+      return next_getter(values[context.full_name])
+
+    with hk.custom_getter(substitute):
+      return fn(*args)
+
+  return explicit, params
 
 # ---------------------------------------------------------------------------
 # Stacked.
@@ -226,13 +312,82 @@ class Stacked(_layers.StackModule):
       self.unroll = _checks.check_unroll(unroll)
       self.pipeline = _check_pipeline(pipeline, pattern, reverse)
 
+  def loss(self, embed: Callable[..., PyTree], head: Callable[..., jax.Array],
+           inputs: PyTree, targets: PyTree, *args: Any, **kwargs: Any) -> jax.Array:
+    """``head(self.fold(embed(inputs), *args, **kwargs), targets)``, pipelinable.
+
+    The form a ``1f1b`` pipeline needs: it runs ``embed`` on its first stage
+    and ``head`` on its last, one microbatch at a time, and differentiates
+    every stage itself, so the whole loss must be inside the stack's call.
+    Without a pipeline (or with ``gpipe``/``circular``) it is the
+    composition above. Either way ``jax.value_and_grad`` of the enclosing
+    function gives the loss and every gradient (the stack's, ``embed``'s,
+    ``head``'s, the block arguments'), so one train step serves all.
+
+    Example::
+
+      def f(tokens, targets):
+        embed, proj = hk.Embed(32, 8, name="embed"), hk.Linear(32, name="out")
+        block = lambda: (lambda x: x + jnp.tanh(hk.Linear(8)(x)))
+        blocks = st.Stacked(block, 4, remat="full", name="h",
+                            pipeline=st.Pipeline(microbatches=2, schedule="1f1b"))
+        def head(x, t):   # a mean over the microbatch
+          logits = proj(x)
+          return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                               t[..., None], -1))
+        return blocks.loss(embed, head, tokens, targets)
+
+      f = hk.without_apply_rng(hk.transform(f))
+      tokens = jnp.zeros((4, 8), jnp.int32)
+      params = f.init(jax.random.PRNGKey(0), tokens, tokens)
+      loss, grads = jax.value_and_grad(f.apply)(params, tokens, tokens)
+
+    Args:
+      embed: ``embed(inputs) -> x``, the part before the stack.
+      head: ``head(x, targets) -> loss``, the part after: a scalar that is a
+        mean over the batch (a pipeline averages it over microbatches).
+      inputs: what ``embed`` takes, batch-major (no gradient).
+      targets: what ``head`` takes besides ``x``, batch-major (no gradient).
+      *args: the blocks' further arguments, as in :meth:`fold`.
+      **kwargs: likewise.
+
+    Under a ``1f1b`` pipeline, ``embed`` and ``head`` are called once per
+    microbatch: they must call Haiku modules built outside (built inside,
+    each call would make new ones), and may not use Haiku state or rng.
+
+    Returns:
+      The loss.
+    """
+    return self._apply(None, args, kwargs, mode="fold",
+                       ends=(embed, head, inputs, targets))[0]
+
+  def scan_loss(self, embed: Callable[..., PyTree], head: Callable[..., jax.Array],
+                inputs: PyTree, targets: PyTree, *args: Any,
+                **kwargs: Any) -> tuple[jax.Array, PyTree]:
+    """:meth:`loss` for a scan block: ``(loss, ys)``, ``ys`` with no gradient.
+
+    Args:
+      embed: as in :meth:`loss`.
+      head: as in :meth:`loss`.
+      inputs: as in :meth:`loss`.
+      targets: as in :meth:`loss`.
+      *args: as in :meth:`loss`.
+      **kwargs: as in :meth:`loss`.
+
+    Returns:
+      ``(loss, ys)``: every layer's ``y`` stacked, as :meth:`scan` gives them.
+    """
+    return self._apply(None, args, kwargs, mode="scan",
+                       ends=(embed, head, inputs, targets))
+
   @_layers.StackModule.layer_scope
   def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
                  arguments: _layers.BlockArguments, pattern: _kinds.Pattern,
-                 mode: str) -> tuple[PyTree, PyTree]:
+                 mode: str, ends: Optional[tuple[Any, ...]] = None
+                 ) -> tuple[PyTree, PyTree]:
     return run_stacked(inners, x, arguments, pattern=pattern, mode=mode,
                        remat=self.remat, unroll=self.unroll, reverse=self.reverse,
-                       pipeline=self.pipeline, layer_drop=self.layer_drop)
+                       pipeline=self.pipeline, layer_drop=self.layer_drop, ends=ends)
 
 
 def _check_pipeline(pipeline: Any, pattern: Any,

@@ -218,6 +218,13 @@ def test_pipeline_quick(tmp_path):
   assert not any(c["parameters"] for c in rows["gpipe"]["collectives"].values())
   assert rows["circular"]["collectives"]["all-to-all"]["parameters"] > 0
   assert result["summary"]["all_match_plain"] and result["summary"]["bubble_all_exact"]
+  assert {r["schedule"] for r in bubble} == {"gpipe", "1f1b", "circular"}
+  # The GPT example against M: 1f1b's temp memory stays, GPipe's grows.
+  example = result["against_m"]
+  assert {(r["schedule"], r["microbatches"]) for r in example["rows"]} == {
+      (s, m) for s in ("gpipe", "1f1b") for m in (4, 8)}
+  assert all(r["matches_plain"] and len(r["wall_seconds"]) == 1 for r in example["rows"])
+  assert example["temp_growth"]["1f1b"] <= 1.25 < example["temp_growth"]["gpipe"]
 
 
 # Stand-ins for the two programs nanogpt_cpu.py runs, which print (nanoGPT)

@@ -70,11 +70,14 @@ TINY = {**gpt_driver.TINY, "num_layers": 4, "batch_size": 8}
 GPIPE = {"mesh": "pipe:4,data:2", "pipeline": "gpipe", "microbatches": 4}
 CIRCULAR = {"mesh": "pipe:2,fsdp:2,data:2", "pipeline": "circular", "microbatches": 4,
             "pipeline_repeats": 2, "block": "scan"}
+ONE_F_ONE_B = {"mesh": "pipe:4,data:2", "pipeline": "1f1b", "microbatches": 4}
 MESH_MP = {"mesh": "pipe:4", "pipeline": "gpipe", "microbatches": 4}
-# The same workdir: plain to step 7, a pipeline to step 14, plain to the end
-# (the second plain leg and the pipelined one reuse compiled programs).
-CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 7}),
-         ("chain gpipe", {**GPIPE, "stop_after": 14, "resume": True}),
+# The same workdir: plain to step 5, gpipe to 10, 1f1b (from gpipe's
+# checkpoint) to 15, plain to the end (every leg after the first reuses
+# programs its driver compiled before).
+CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 5}),
+         ("chain gpipe", {**GPIPE, "stop_after": 10, "resume": True}),
+         ("chain 1f1b", {**ONE_F_ONE_B, "stop_after": 15, "resume": True}),
          ("chain plain again", {"mesh": "data:8", "resume": True}))
 # (devices, name, flags, fragments of the one line) of start-up errors that
 # need a mesh; the example's own, or stacktools' when set_up first traces the
@@ -115,9 +118,9 @@ class Runs:
     self.driver("one", 1, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
                            if devices == 1] + [("reference", {"block": "scan"})])
     # Two 8-device drivers, so that no one process holds the others up; the
-    # chain's pipelined leg reuses the gpipe run's compiled step.
+    # chain's pipelined legs reuse the gpipe and 1f1b runs' compiled steps.
     self.driver("eight", 8, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
-                             if devices == 8] + [("gpipe", GPIPE)]
+                             if devices == 8] + [("gpipe", GPIPE), ("1f1b", ONE_F_ONE_B)]
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
     self.driver("eight circular", 8, [("circular", CIRCULAR)])
     self.driver("four", 4, [("four", MESH_MP)])
@@ -251,7 +254,8 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
 # One process, 8 devices, against one device.
 
 
-@pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR)])
+@pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR),
+                                        ("1f1b", ONE_F_ONE_B)])
 def test_pipelined_run_gives_the_one_device_losses(runs, name, flags):
   log = runs.driver_run(name)["log"]
   sizes = {"pipe": 1, "data": 1, "fsdp": 1,
@@ -285,12 +289,15 @@ def test_scan_block_stats_come_back_through_the_pipeline(runs):
 
 
 def test_checkpoints_move_between_plain_and_pipelined_runs(runs):
-  """Plain to step 7, a gpipe pipeline (from the plain checkpoint) to step 14,
-  plain again (from the pipelined one) to 20: the reference's losses."""
+  """Plain to step 5, gpipe (from the plain checkpoint) to step 10, 1f1b
+  (from gpipe's) to 15, plain again (from 1f1b's) to 20: the reference's
+  losses."""
   logs = [runs.driver_run(name)["log"] for name, _ in CHAIN]
-  assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[2]
+  assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[3]
   assert "Pipeline: gpipe over 4 stages" in logs[1], logs[1]
-  assert "Resumed from step 7." in logs[1] and "Resumed from step 14." in logs[2]
+  assert "Pipeline: 1f1b over 4 stages" in logs[2], logs[2]
+  for log, step in zip(logs[1:], (5, 10, 15)):
+    assert f"Resumed from step {step}." in log, log
   runs.driver_run("reference")
   chain = runs.workdir("chain")
   assert [r["step"] for r in read_metrics(chain)] == list(range(1, STEPS + 1))

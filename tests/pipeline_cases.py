@@ -319,6 +319,39 @@ def error_cases() -> dict:
       jax.jit(m.apply)({}, x)
 
   out["ys_without_batch_axis"] = message(ys_without_batch)
+  inp, tgt = tokens()
+
+  def one_f_one_b(pipeline, num_layers=8, call="loss"):
+    m = loss_model(num_layers, pipeline)
+    p = m.init(jax.random.PRNGKey(0), inp, tgt)
+    if call == "fold":
+      m = model(num_layers, pipeline)
+      p = m.init(jax.random.PRNGKey(0), x)
+    with jax.set_mesh(make_mesh({"pipe": 4})):
+      if call == "fold":
+        jax.jit(m.apply)(p, x)
+      else:
+        jax.jit(jax.value_and_grad(m.apply))(p, inp, tgt)
+
+  out["1f1b_too_few_microbatches"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=2, schedule="1f1b")))
+  out["1f1b_layers_not_divisible"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="1f1b"), num_layers=6))
+  out["1f1b_fold"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="1f1b"), call="fold"))
+
+  def inline_head():
+    def f(tokens, targets):
+      embed = hk.Embed(VOCAB, WIDTH, name="embed")
+      head = lambda h, t: jnp.mean(hk.Linear(1)(h)) + 0 * jnp.mean(t)  # noqa: E731
+      return st.Stacked(Block, 8, pipeline=st.Pipeline(microbatches=4, schedule="1f1b"),
+                        name="h").loss(embed, head, tokens, targets)
+    m = hk.without_apply_rng(hk.transform(f))
+    p = m.init(jax.random.PRNGKey(0), inp, tgt)
+    with jax.set_mesh(make_mesh({"pipe": 4})):
+      jax.jit(m.apply)(p, inp, tgt)
+
+  out["1f1b_inline_modules"] = message(inline_head)
   return out
 
 
@@ -329,7 +362,183 @@ def _explicit(params, x):
     jax.jit(m.apply)(params, x)
 
 
-CASES = {"equality": equality_cases, "remat": remat_cases, "scan": scan_case,
+# ---------------------------------------------------------------------------
+# 1F1B: the loss inside the pipeline (Stacked.loss), against the plain stack.
+
+VOCAB = 11
+
+
+def loss_model(num_layers, pipeline, remat="full", make_block=Block, state=False):
+  """tokens -> embed -> stack -> projection -> cross entropy, as Stacked.loss."""
+  def f(tokens, targets, *args):
+    embed = hk.Embed(VOCAB, WIDTH, name="embed")
+    proj = hk.Linear(VOCAB, name="out")
+
+    def head(x, t):
+      log_probs = jax.nn.log_softmax(proj(x))
+      return -jnp.mean(jnp.take_along_axis(log_probs, t[..., None], -1))
+    blocks = st.Stacked(make_block, num_layers, remat=remat, pipeline=pipeline, name="h")
+    return blocks.loss(embed, head, tokens, targets, *args)
+  if state:
+    return hk.without_apply_rng(hk.transform_with_state(f))
+  return hk.without_apply_rng(hk.transform(f))
+
+
+def tokens(seed=1):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.randint(k1, (BATCH, SEQ), 0, VOCAB),
+          jax.random.randint(k2, (BATCH, SEQ), 0, VOCAB))
+
+
+def compare(loss, grads, ref_loss, ref_grads) -> dict:
+  return {"loss_allclose": allclose(loss, ref_loss), "grads_allclose": allclose(grads, ref_grads),
+          "grad_max_rel": max_rel(grads, ref_grads),
+          "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
+
+
+def one_f_one_b_cases() -> dict:
+  """Loss and gradients against the plain stack (``remat="none"``, one device).
+
+  A fold block on pipe:4,data:2 with M=8 > P (the steady state, a data axis
+  inside the stages) and, on the smallest mesh (pipe:2, M=2), every remat
+  alias; a scan block with per-layer and broadcast arguments on
+  pipe:2,fsdp:2,data:2; Haiku state; rng. Each pipelined program is a
+  compile of its own, so the larger meshes take one alias each.
+  """
+  out = {}
+  inp, tgt = tokens()
+  plain = loss_model(8, None, remat="none")
+  params = plain.init(jax.random.PRNGKey(0), inp, tgt)
+  ref = jax.jit(jax.value_and_grad(plain.apply))(params, inp, tgt)
+  runs = [({"pipe": 4, "data": 2}, 8, "full")] + [({"pipe": 2}, 2, r) for r in st.REMAT_ALIASES]
+  for sizes, micro, remat in runs:
+    name = ",".join(f"{k}:{v}" for k, v in sizes.items()) + f" M={micro} remat={remat}"
+    mesh = make_mesh(sizes)
+    piped = loss_model(8, st.Pipeline(microbatches=micro, schedule="1f1b"), remat)
+    try:
+      with jax.set_mesh(mesh):
+        out[name] = compare(*jax.jit(jax.value_and_grad(piped.apply))(
+            sharded(params, mesh), inp, tgt), *ref)
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+  out["scan"] = _one_f_one_b_scan(inp, tgt)
+  out["state"] = _one_f_one_b_state(inp, tgt)
+  out["rng"] = _one_f_one_b_rng(inp, tgt)
+  return out
+
+
+def _one_f_one_b_scan(inp, tgt) -> dict:
+  """A scan block (scan_loss) with a per-layer scale and a broadcast bias on
+  pipe:2,fsdp:2,data:2, remat="nested" (4 layers per stage, so the nested
+  loop has chunks to split): the loss, the gradients of params, scale and
+  bias, and the ys."""
+  num_layers = 8
+  scale = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (num_layers, 2 * WIDTH))
+  bias = 0.1 * jax.random.normal(jax.random.PRNGKey(6), (WIDTH,))
+
+  def make(pipeline, remat):
+    def f(tokens, targets, scale, bias):
+      embed, proj = hk.Embed(VOCAB, WIDTH, name="embed"), hk.Linear(VOCAB, name="out")
+
+      def head(x, t):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(proj(x)), t[..., None], -1))
+      return st.Stacked(ScanBlock, num_layers, remat=remat, pipeline=pipeline,
+                        name="h").scan_loss(embed, head, tokens, targets,
+                                            st.per_layer(scale), bias)
+    return hk.without_apply_rng(hk.transform(f))
+
+  grad = lambda m: jax.jit(jax.value_and_grad(m.apply, argnums=(0, 3, 4), has_aux=True))  # noqa: E731
+  plain = make(None, "none")
+  params = plain.init(jax.random.PRNGKey(0), inp, tgt, scale, bias)
+  (ref_loss, ref_ys), ref_grads = grad(plain)(params, inp, tgt, scale, bias)
+  mesh = make_mesh(MESHES["pipe:2,fsdp:2,data:2"])
+  with jax.set_mesh(mesh):
+    (loss, ys), grads = grad(make(st.Pipeline(microbatches=4, schedule="1f1b"), "nested"))(
+        sharded(params, mesh), inp, tgt, scale, bias)
+  return dict(compare(loss, grads, ref_loss, ref_grads), ys_allclose=allclose(ys, ref_ys),
+              ys_shape=list(ys.shape), ref_ys_shape=list(ref_ys.shape),
+              bias_grad_nonzero=bool(np.any(np.asarray(grads[2]) != 0)))
+
+
+def _one_f_one_b_state(inp, tgt) -> dict:
+  """State: once per microbatch, in order. Reference: the plain model applied to
+  microbatch 0, 1, ... in turn, each from the state the previous one left."""
+  num_layers, micro = 8, 4
+  plain = loss_model(num_layers, None, make_block=Counter, state=True)
+  params, state0 = plain.init(jax.random.PRNGKey(0), inp, tgt)
+  ref_state, ref_losses = state0, []
+  for m in range(micro):
+    loss, ref_state = plain.apply(params, ref_state, inp[m::micro], tgt[m::micro])
+    ref_losses.append(loss)
+  piped = loss_model(num_layers, st.Pipeline(microbatches=micro, schedule="1f1b"),
+                     make_block=Counter, state=True)
+  with jax.set_mesh(make_mesh({"pipe": 4})):
+    loss, state = jax.jit(piped.apply)(params, state0, inp, tgt)
+  return {"loss_allclose": allclose(loss, np.mean(ref_losses)),
+          "calls": np.asarray(state["h/counter"]["calls"]).tolist(),
+          "state_allclose": allclose(state, ref_state)}
+
+
+class NoisyBlock(hk.Module):
+  def __call__(self, x):
+    noise = jax.random.uniform(hk.next_rng_key(), x.shape)
+    return x + noise * hk.Linear(WIDTH)(x)
+
+
+def _one_f_one_b_rng(inp, tgt) -> dict:
+  """With an rng: 1F1B's loss and gradients against GPipe's (the same
+  per-layer, per-microbatch keys; GPipe differentiated by jax.grad), and the
+  key matters."""
+  def make(pipeline):
+    def f(tokens, targets):
+      embed, proj = hk.Embed(VOCAB, WIDTH, name="embed"), hk.Linear(VOCAB, name="out")
+
+      def head(x, t):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(proj(x)), t[..., None], -1))
+      return st.Stacked(NoisyBlock, 8, remat="full", pipeline=pipeline,
+                        name="h").loss(embed, head, tokens, targets)
+    return hk.transform(f)
+
+  key = jax.random.PRNGKey(3)
+  params = make(None).init(jax.random.PRNGKey(0), inp, tgt)
+  with jax.set_mesh(make_mesh({"pipe": 4})):
+    ref = jax.jit(jax.value_and_grad(make(st.Pipeline(microbatches=4)).apply))(
+        params, key, inp, tgt)
+    f = jax.jit(jax.value_and_grad(make(st.Pipeline(microbatches=4, schedule="1f1b")).apply))
+    got, other = f(params, key, inp, tgt), f(params, jax.random.PRNGKey(4), inp, tgt)
+  return dict(compare(*got, *ref), key_matters=bool(abs(float(got[0] - other[0])) > 1e-6))
+
+
+def memory_case() -> dict:
+  """Compiled temp bytes per device of the GPT example's train-step gradient on
+  pipe:4 under 1f1b, at M = 4 and 32 microbatches of 2 sequences (GPipe's,
+  which grow with M, are in benchmarks/pipeline.py)."""
+  from examples.gpt import model as gpt  # pylint: disable=import-outside-toplevel
+  mesh = make_mesh({"pipe": 4})
+  out = {}
+  for schedule in ("1f1b",):
+    for micro in (4, 32):
+      cfg = gpt.GPTConfig(vocab_size=65, seq_len=32, num_layers=8, num_heads=4, d_model=64,
+                          remat="full",
+                          pipeline=st.Pipeline(microbatches=micro, schedule=schedule))
+      f = hk.without_apply_rng(hk.transform(lambda t, cfg=cfg: gpt.loss_fn(cfg, t)[0]))
+      toks = jnp.zeros((2 * micro, cfg.seq_len + 1), jnp.int32)
+      params = jax.eval_shape(f.init, jax.random.PRNGKey(0), toks)
+      with jax.set_mesh(mesh):
+        params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p),
+                              params, _shardings(params, mesh))
+        compiled = jax.jit(jax.value_and_grad(f.apply)).lower(params, toks).compile()
+      out[f"{schedule} M={micro}"] = compiled.memory_analysis().temp_size_in_bytes
+  return out
+
+
+def _shardings(params, mesh):
+  specs = st.stacked_partition_specs(params, mesh, stacked=["h"], pipelined=["h"])
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+CASES = {"one_f_one_b": one_f_one_b_cases, "memory": memory_case,
+         "equality": equality_cases, "remat": remat_cases, "scan": scan_case,
          "state": state_case, "rng": rng_case, "errors": error_cases}
 
 

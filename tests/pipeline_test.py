@@ -82,6 +82,56 @@ def test_scan_block_with_per_layer_and_broadcast_arguments(cases):
   assert scan["loss_allclose"] and scan["grads_allclose"]
 
 
+def test_1f1b_loss_and_gradients_match_the_plain_stack(cases):
+  one = cases["one_f_one_b"]
+  folds = [k for k in one if k.startswith("pipe")]
+  assert "pipe:4,data:2 M=8 remat=full" in folds   # M > P, a data axis
+  assert {k.split("remat=")[1] for k in folds if k.startswith("pipe:2 ")} == set(
+      st.REMAT_ALIASES)
+  for name in folds + ["scan", "rng"]:
+    case = one[name]
+    assert "error" not in case, (name, case)
+    assert case["loss_allclose"] and case["grads_allclose"], (name, case)
+    assert case["grad_max_rel"] < 1e-5 and case["loss_rel"] < 1e-5, (name, case)
+  scan = one["scan"]   # pipe:2,fsdp:2,data:2; per-layer scale and broadcast bias get gradients
+  assert scan["ys_allclose"] and scan["ys_shape"] == scan["ref_ys_shape"] == [8, 16, 4]
+  assert scan["bias_grad_nonzero"]
+  assert one["rng"]["key_matters"]
+  state = one["state"]
+  assert state["calls"] == [4] * 8 and state["state_allclose"] and state["loss_allclose"]
+
+
+def test_1f1b_temp_memory_does_not_grow_with_microbatches(cases):
+  # The GPT example's gradient on pipe:4, microbatches of 2 sequences: were
+  # all M microbatches' stage inputs kept (as GPipe does), M=32 would need
+  # over 3x M=4's (benchmarks/pipeline.py measures both).
+  mem = cases["memory"]
+  assert mem["1f1b M=32"] <= 1.25 * mem["1f1b M=4"], mem
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4), (4, 8), (8, 8), (4, 32)])
+def test_1f1b_table_bubble_order_and_in_flight_cap(stages, micro):
+  table = st.Pipeline(microbatches=micro, schedule="1f1b").table(stages)
+  assert table.busy.shape == (2 * (micro + stages - 1), stages)
+  assert table.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+  when = {}
+  for t, s in zip(*np.nonzero(table.busy)):
+    key = (int(table.microbatch[t, s]), int(s), bool(table.backward[t, s]))
+    assert key not in when
+    when[key] = t
+  assert len(when) == 2 * micro * stages
+  for m in range(micro):
+    for s in range(stages):   # forward before the next stage's, backward after
+      if s + 1 < stages:
+        assert when[(m, s, False)] < when[(m, s + 1, False)]
+        assert when[(m, s + 1, True)] < when[(m, s, True)]
+    assert when[(m, stages - 1, False)] < when[(m, stages - 1, True)]
+  for s in range(stages):   # at most P - s microbatches between F and B
+    in_flight = np.cumsum(table.busy[:, s] & ~table.backward[:, s]) - np.cumsum(
+        table.backward[:, s])
+    assert in_flight.max() <= stages - s
+
+
 def test_state_is_updated_once_per_microbatch_in_order(cases):
   state = cases["state"]
   assert state["calls"] == [4] * 8     # 4 microbatches through each of 8 layers
@@ -105,6 +155,10 @@ def test_rng_differs_per_layer_and_per_microbatch_and_is_reproducible(cases):
     ("specs_without_pipe_axis", ["'pipe'", "['data']"]),
     ("specs_not_divisible", ["4 layers", "size 8"]),
     ("ys_without_batch_axis", ["batch as its leading axis", "per-layer shape ()"]),
+    ("1f1b_too_few_microbatches", ["microbatches=2 for 4 stages", "1f1b"]),
+    ("1f1b_layers_not_divisible", ["num_layers=6", "multiple of 4"]),
+    ("1f1b_fold", ["blocks.loss(embed, head, inputs, targets)"]),
+    ("1f1b_inline_modules", ["creates new Haiku modules", "Construct its modules"]),
 ])
 def test_mistakes_get_a_clear_error(cases, case, phrases):
   message = cases["errors"][case]
@@ -196,8 +250,9 @@ def test_nested_stack_pipelines_its_own_layers_axis():
 
 @pytest.mark.parametrize("kwargs,phrase", [
     (dict(microbatches=0), "microbatches must be an integer >= 1"),
-    (dict(schedule="1f1b"), "not one of ['gpipe', 'circular']"),
+    (dict(schedule="zb"), "not one of ['gpipe', 'circular', '1f1b']"),
     (dict(schedule="gpipe", repeats=2), "use schedule='circular'"),
+    (dict(schedule="1f1b", repeats=2), "use schedule='circular'"),
     (dict(axis=3), "mesh axis name"),
 ])
 def test_pipeline_configuration_errors(kwargs, phrase):

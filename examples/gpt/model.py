@@ -349,17 +349,24 @@ def _stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None, training: bool = F
                     unroll=cfg.unroll, name="h", **config)
 
 
-def _embed(cfg: GPTConfig, tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
+def _ends(cfg: GPTConfig):
+  """The parts around the stack, ``(embed, head)``: modules built once, here.
+
+  Built before they are called, so a 1F1B pipeline (which calls them once
+  per microbatch, inside the stack's call) reuses the same modules: the
+  parameters keep their names (``tok_embed``, ``pos_embed``, ``ln_f``,
+  ``head``) with or without a pipeline.
+  """
   init = hk.initializers.RandomNormal(0.02)
   tok = hk.Embed(cfg.vocab_size, cfg.d_model, w_init=init, name="tok_embed")
-  positions = pos + jnp.arange(tokens.shape[1])
   pos_embed = hk.Embed(cfg.seq_len, cfg.d_model, w_init=init, name="pos_embed")
-  return tok(tokens) + pos_embed(positions)[None]
+  ln_f = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")
+  out = Linear(cfg.vocab_size, with_bias=cfg.bias, name="head")
 
+  def embed(tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
+    return tok(tokens) + pos_embed(pos + jnp.arange(tokens.shape[1]))[None]
 
-def _head(cfg: GPTConfig, x: jax.Array) -> jax.Array:
-  x = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")(x)
-  return Linear(cfg.vocab_size, with_bias=cfg.bias, name="head")(x)
+  return embed, lambda x: out(ln_f(x))
 
 
 def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
@@ -370,7 +377,8 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
   of ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
   ``training`` with ``cfg.layer_drop`` needs an rng.
   """
-  x = _embed(cfg, tokens)
+  embed, head = _ends(cfg)
+  x = embed(tokens)
   stack = _stack(cfg, training=training)
   stats = None
   if cfg.block == "fold":
@@ -379,7 +387,7 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
     x, stats = stack.scan(x)
     # [num_layers, B] -> [num_layers]: the batch's mean for each layer.
     stats = jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1), stats)
-  return _head(cfg, x), stats
+  return head(x), stats
 
 
 def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
@@ -425,19 +433,36 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
   Returns:
     ``(logits [B, T, vocab], new_cache)``.
   """
-  x = _embed(cfg, tokens, pos)
+  embed, head = _ends(cfg)
+  x = embed(tokens, pos)
   if cfg.pattern:
     x, cache = _stack(cfg, ys_by_kind=True).scan(
         x, st.per_kind(cache, in_place=in_place), pos)
   else:
     x, cache = _stack(cfg).scan(x, st.per_layer(cache, in_place=in_place), pos)
-  return _head(cfg, x), cache
+  return head(x), cache
+
+
+def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  log_probs = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
 
 
 def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
-  """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats."""
+  """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats.
+
+  Under a ``1f1b`` pipeline the whole loss is the stack's call
+  (``st.Stacked.loss``/``scan_loss``): the pipeline embeds on its first
+  stage and takes the loss on its last, a microbatch at a time. The
+  parameters, the loss and its gradients are the same as the plain path's.
+  """
+  if cfg.pipeline is not None and cfg.pipeline.schedule == "1f1b":
+    embed, head = _ends(cfg)
+    stack = _stack(cfg, training=training)
+    ends = (embed, lambda x, t: _nll(head(x), t), tokens[:, :-1], tokens[:, 1:])
+    if cfg.block == "fold":
+      return stack.loss(*ends), None
+    loss, stats = stack.scan_loss(*ends)
+    return loss, jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1), stats)
   logits, stats = forward(cfg, tokens[:, :-1], training)
-  targets = tokens[:, 1:]
-  log_probs = jax.nn.log_softmax(logits)
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-  return jnp.mean(nll), stats
+  return _nll(logits, tokens[:, 1:]), stats

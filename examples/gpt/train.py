@@ -183,10 +183,12 @@ _MESH = flags.DEFINE_string(
     "stages, with --pipeline), data (batch) and fsdp (parameters), e.g. "
     "data:4,fsdp:2 or pipe:4,data:2; default: every device on data.")
 _PIPELINE = flags.DEFINE_enum(
-    "pipeline", "none", ("none", "gpipe", "circular"),
+    "pipeline", "none", ("none", "gpipe", "circular", "1f1b"),
     "Run the block stack as a pipeline over the mesh's pipe axis: gpipe (each "
     "stage holds a contiguous block of layers) or circular (each stage holds "
-    "--pipeline_repeats interleaved chunks, a smaller bubble). Needs a pipe "
+    "--pipeline_repeats interleaved chunks, a smaller bubble) or 1f1b (gpipe's "
+    "stages, each microbatch's backward as soon as its forward is done: "
+    "activation memory that does not grow with --microbatches). Needs a pipe "
     "axis in --mesh; a pipe axis larger than 1 needs a pipeline. none: no "
     "pipeline.")
 _MICROBATCHES = flags.DEFINE_integer(
