@@ -9,18 +9,20 @@ settle. In pseudo-code::
                compiled to check when within MARGIN of the budget
   measure=False: the plan with the fewest FLOPs that fits
   measure=True:  challenger = fewest FLOPs among one-loop plans that fit
-                 time reference and challenger, interleaved
-                 challenger faster -> fewest FLOPs that fits (recompute costs)
-                 reference faster  -> the reference (keeping bytes costs)
-                 within the noise  -> the challenger (fewer FLOPs)
+                 (any plan with fewer FLOPs than the reference if none)
+                 time reference and challenger, interleaved (as much again
+                 when the difference is within twice the noise)
+                 the faster; within the noise, the challenger (fewer FLOPs)
 
 A trace prices FLOPs and bytes but not what one costs against the other on
 this machine (on a CPU keeping a layer's activations is slower than
 recomputing them; on an accelerator the reverse is usual), so two plans are
-timed, one from each side of that trade. That makes at most
-``MAX_COMPILES`` = 3 compiles: the reference, the challenger, and one check
-of a plan the model puts within ``MARGIN`` of the budget (both sides of it
-are usually compiled anyway). The :class:`RematPlan` returned answers
+timed, one from each side of that trade, and the pick is one of them: a
+plan chosen by timing is always a plan that was timed. One-loop plans are
+preferred as the challenger because a per-depth mix compiles a loop per
+segment (twice the time). That makes at most ``MAX_COMPILES`` = 3 compiles:
+the reference, the challenger, and one check of a plan the model puts
+within ``MARGIN`` of the budget (the challenger itself, usually). The :class:`RematPlan` returned answers
 ``remat="auto"`` while a step is traced under it, and is remembered in a
 cache folder (``cache_dir=`` or ``$STACKTOOLS_PLAN_CACHE``) under a key of
 everything it depends on, so the same step and budget plan again in the time
@@ -170,11 +172,13 @@ def _no_fit(rows: Sequence[report_lib.ReportRow], budget: Any, budget_bytes: int
       "width).")
 
 
-def _noise(runs: Sequence[Sequence[float]]) -> float:
-  """The timing noise: the spread of each plan's runs after its first,
-  between :data:`TIE` and twice it."""
-  spreads = [max(r[1:]) / min(r[1:]) - 1 for r in runs if len(r) > 2]
-  return min(max([TIE] + spreads), 2 * TIE)
+def _fastest(reference: Sequence[float],
+             challenger: Sequence[float]) -> tuple[float, float, float]:
+  """The fastest run of each, and the timing noise: the spread of each
+  plan's runs after its first (which warms up), between :data:`TIE` and
+  twice it."""
+  spreads = [max(r[1:]) / min(r[1:]) - 1 for r in (reference, challenger) if len(r) > 2]
+  return min(reference), min(challenger), min(max([TIE] + spreads), 2 * TIE)
 
 
 def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
@@ -226,14 +230,16 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       pick, decision = reference, "no plan with fewer FLOPs fits"
     else:
       plans.time([reference, challenger], repeats)
-      t_ref, t_new = min(plans.times[reference]), min(plans.times[challenger])
-      noise = _noise([plans.times[reference], plans.times[challenger]])
+      t_ref, t_new, noise = _fastest(plans.times[reference], plans.times[challenger])
+      if noise < abs(t_new / t_ref - 1) <= 2 * noise:
+        # Close to the noise: time as much again, so that the same plans
+        # are not chosen one way in one run and the other in the next.
+        plans.time([reference, challenger], repeats)
+        t_ref, t_new, noise = _fastest(plans.times[reference], plans.times[challenger])
       timing = (f"{names(challenger)} {1e3 * t_new:.1f} ms against {names(reference)} "
                 f"{1e3 * t_ref:.1f} ms (noise {100 * noise:.1f}%)")
       if t_new * (1 + noise) < t_ref:
-        pick = fewest_flops(everything)
-        decision = (f"{timing}: recomputing costs more than keeping here, so the "
-                    "fewest predicted FLOPs that fit")
+        pick, decision = challenger, f"{timing}: recomputing costs more than keeping here"
       elif t_ref * (1 + noise) < t_new:
         pick, decision = reference, f"{timing}: keeping costs more than recomputing here"
       else:
@@ -256,11 +262,10 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   the step, compiles the reference plan (every stack ``"full"``) to calibrate
   the predictions, and compiles at most two more: with ``measure=True`` the
   plan with the fewest FLOPs among those that run each stack as one loop, to
-  time it against the reference (which of recomputing and keeping costs
-  more here decides; a tie, within the timing noise, goes to fewer FLOPs,
-  then less memory); a plan predicted within 10% of the budget is compiled
-  before it is trusted to fit. ``measure=False`` takes the fewest FLOPs that
-  fit. Several stacks are planned jointly: the budget is for the whole step.
+  time it against the reference; the faster is chosen, and a tie, within the
+  timing noise, goes to fewer FLOPs, then less memory. A plan predicted
+  within 10% of the budget is compiled before it is trusted to fit.
+  ``measure=False`` takes the fewest FLOPs that fit. Several stacks are planned jointly: the budget is for the whole step.
 
   With a cache folder the plan is remembered under a key of the step's
   jaxpr, its arguments' shapes, dtypes and shardings, the budget and these

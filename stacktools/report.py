@@ -443,7 +443,8 @@ class Compiled:
 #: assignment, which decides the temp bytes, runs before code generation, so
 #: the backend's optimisation of the generated code can be skipped (about
 #: half the compile time on a CPU; the executable is not timed).
-MEMORY_ONLY = {"xla_backend_optimization_level": 0}
+MEMORY_ONLY = {"xla_backend_optimization_level": 0,
+               "xla_llvm_disable_expensive_passes": True}
 
 
 def compile_plan(step_fn: Callable[..., Any], args: Sequence[Any],
