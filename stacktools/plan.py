@@ -320,7 +320,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       if plan is not None:
         plan.seconds = time.perf_counter() - start
         return plan
-    report = choose(step_fn, *args, budget=budget_bytes, measure=measure,
+    report = choose(step_fn, *args, budget=budget, measure=measure,
                     repeats=repeats, offload=offload, only=only, traced=traced)
   labels = dict(report.chosen.plan)
   path = None if cache is None else cache.store(key, {

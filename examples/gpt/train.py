@@ -436,7 +436,16 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
     flag = (f"--remat_candidates={' '.join(_REMAT_CANDIDATES.value)!r}"
             if "only=" in str(e) else f"--memory_budget={_MEMORY_BUDGET.value}")
     sys.exit(f"error: {flag}: {e}")
-  (chosen,) = plan.choice.values()   # the model has one stack
+  labels = dict(plan.labels)
+  if jax.process_count() > 1:
+    # Each process plans (or reads a remembered plan) itself, and timing can
+    # call a close race either way: every process runs the chief's plan.
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    plans = [dict(r.plan) for r in plan.report.rows]
+    labels = plans[int(multihost_utils.broadcast_one_to_all(
+        np.int32(plans.index(labels))))]
+  ((key, label),) = labels.items()   # the model has one stack
+  chosen = plan.report.remats[key][label]
   if plan.reused:
     logging.info("Remat plan reused from %s in %.2f s (planned earlier in %.1f s with "
                  "%d compiles).", plan.cache_path, plan.seconds, plan.report.seconds,
@@ -446,8 +455,7 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
     logging.info("Planning took %.1f s for %d candidates, %d compiled (compiling and "
                  "timing: %.1f s).", plan.seconds, len(plan.report.rows),
                  plan.report.compiles, plan.report.compile_seconds)
-  logging.info("Remat plan: %s (%s).", remat_text(chosen),
-               ", ".join(f"{k}={v}" for k, v in plan.labels.items()))
+  logging.info("Remat plan: %s (%s=%s).", remat_text(chosen), key, label)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     text = json.dumps(plan.to_json(), indent=1, default=str)
