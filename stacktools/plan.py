@@ -201,11 +201,13 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
 
   def fits(i: int, timed: bool = False) -> bool:
+    """Whether plan ``i`` fits; ``timed``: and it can be compiled to be timed."""
     if i not in plans.compiled:
       estimate = plans.temp(i)
+      out_of_compiles = len(plans.compiled) >= MAX_COMPILES
       if estimate <= budget_bytes * (1 - MARGIN):
-        return True
-      if estimate > budget_bytes * (1 + MARGIN) or len(plans.compiled) >= MAX_COMPILES:
+        return not (timed and out_of_compiles)
+      if estimate > budget_bytes * (1 + MARGIN) or out_of_compiles:
         return False
       plans.compile(i, memory_only=not timed)
     return plans.temp(i) <= budget_bytes
