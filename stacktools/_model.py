@@ -91,7 +91,11 @@ class Layer:
     carry, x = args
     self.carry = jax.tree_util.tree_map(_struct, carry)
     self.x = jax.tree_util.tree_map(_struct, x)
-    self.outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
+    # The outputs a cotangent flows back through (not integer ones).
+    self._float_outs = [i for i, v in enumerate(jaxpr.outvars)
+                        if jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)]
+    self.outs = [jax.ShapeDtypeStruct(jaxpr.outvars[i].aval.shape,
+                                      jaxpr.outvars[i].aval.dtype) for i in self._float_outs]
     self.forward_flops = _costs.jaxpr_flops(jaxpr)
     x_leaves = [_aval_bytes(a) for a in jax.tree_util.tree_leaves(self.x)]
     self.carry_bytes = sum(_aval_bytes(a) for a in jax.tree_util.tree_leaves(self.carry))
@@ -101,7 +105,8 @@ class Layer:
 
   def _apply(self, consts, carry, x):
     leaves = list(consts) + jax.tree_util.tree_leaves((carry, x))
-    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(self._jaxpr, []))(*leaves)
+    outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(self._jaxpr, []))(*leaves)
+    return [outs[i] for i in self._float_outs]
 
   def cost(self, policy: policy_lib.CheckpointPolicy) -> LayerCost:
     """The layer's cost as a step of a loop under ``policy``."""

@@ -324,6 +324,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
         return plan
     report = choose(step_fn, *args, budget=budget, measure=measure,
                     repeats=repeats, offload=offload, only=only, traced=traced)
+    report = dataclasses.replace(report, seconds=time.perf_counter() - start)
   labels = dict(report.chosen.plan)
   path = None if cache is None else cache.store(key, {
       "labels": labels, "report": report.to_json()})
