@@ -48,7 +48,6 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import stacktools as st  # pylint: disable=wrong-import-position
-from stacktools import report as report_lib  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import instruments  # pylint: disable=wrong-import-position
 from benchmarks import models  # pylint: disable=wrong-import-position
@@ -208,14 +207,16 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
   auto_model, auto_step = gradient_step(cfg, num_layers, "auto")
   params = numpy_params(auto_model, x)
 
+  start = time.perf_counter()
+  predicted = st.remat_report(auto_step, params, x, only=args.only)
+  predict_s = time.perf_counter() - start
+  (key,) = [s.key for s in predicted.stacks]
+  rows = {r.plan[key]: r for r in predicted.rows}
+
   # Every candidate with its remat passed explicitly: the temp bytes the
   # predictions are checked against, one compile's cost, the executables.
-  (stack,) = report_lib.discover(auto_step, params, x)
-  remats = report_lib.candidates(stack, offload=report_lib.host_memory_available())
-  if args.only:
-    remats = {label: remats[label] for label in args.only}
   compiled, compile_s, temp = {}, {}, {}
-  for label, remat in remats.items():
+  for label, remat in predicted.remats[key].items():
     step = jax.jit(gradient_step(cfg, num_layers, remat)[1])
     t0 = time.perf_counter()
     compiled[label] = step.lower(params, x).compile()
@@ -223,12 +224,6 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
     temp[label] = int(compiled[label].memory_analysis().temp_size_in_bytes)
     instruments.block(compiled[label](params, x))
   one = instruments.median(compile_s.values())   # a typical single compile
-
-  start = time.perf_counter()
-  predicted = st.remat_report(auto_step, params, x, only=args.only)
-  predict_s = time.perf_counter() - start
-  key = stack.key
-  rows = {r.plan[key]: r for r in predicted.rows}
   harness.log(f"L={num_layers}: {len(rows)} candidates predicted in {predict_s:.1f} s "
               f"(one compile: {one:.2f} s)\n{predicted}")
 

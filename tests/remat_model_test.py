@@ -161,6 +161,21 @@ def test_plan_fits_in_few_compiles(compiled_report, fraction, measure):
     assert plan.report.chosen.flops == min(r.flops for r in fits)
 
 
+def test_report_with_a_budget_shows_the_planners_choice(compiled_report):
+  report, step, args = compiled_report
+  budget = next(r.temp_bytes for r in report.rows if r.plan == {"loop_0": "none"})
+  planned = st.remat_report(step, *args, budget=budget, only=SOME)
+  assert planned.chosen is not None and planned.chosen.memory <= budget
+  assert 1 <= planned.compiles <= plan_lib.MAX_COMPILES
+  text = str(planned)
+  assert "<- chosen" in text and f"chosen: {planned.decision}" in text
+  # What was compiled shows the compiler's figure beside the prediction.
+  for row in planned.rows:
+    want = next(r for r in report.rows if r.plan == row.plan)
+    assert row.predicted_temp_bytes == want.predicted_temp_bytes
+    assert row.temp_bytes in (None, want.temp_bytes)
+
+
 def _fixed_timings(monkeypatch, seconds):
   """Every timed run of plan ``label`` takes ``seconds[label]``."""
   def time_runs(executables, args, repeats):
