@@ -315,7 +315,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     cache = _plan_cache.PlanCache.at(cache_dir)
     key = None
     if cache is not None:
-      key = _plan_cache.key(traced.text, args, {
+      key = _plan_cache.key(traced.text(), args, {
           "budget": budget_bytes, "measure": measure, "offload": offload,
           "only": None if only is None else [only] if isinstance(only, str) else list(only)})
       plan = _remembered(cache, key, traced, offload=offload, only=only)

@@ -170,13 +170,17 @@ class Traced:
     stacks: the auto stacks, in the order the step runs them.
     models: stack key -> its cost model.
     step_flops: FLOPs of the step with every stack ``"full"``.
-    text: the step's jaxpr as text (what a remembered plan is keyed on).
+    jaxpr: the step's closed jaxpr, so traced.
   """
 
   stacks: tuple[StackInfo, ...]
   models: Mapping[str, _model.StackModel]
   step_flops: int
-  text: str
+  jaxpr: Any
+
+  def text(self) -> str:
+    """The step's jaxpr as text: what a remembered plan is keyed on."""
+    return str(self.jaxpr)
 
 
 def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
@@ -192,7 +196,7 @@ def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
                                    [_model.Layer(c, a) for c, a in context.layers[key]])
             for key, info in context.stacks.items()}
   return Traced(stacks=tuple(context.stacks.values()), models=models,
-                step_flops=_costs.jaxpr_flops(closed.jaxpr), text=str(closed))
+                step_flops=_costs.jaxpr_flops(closed.jaxpr), jaxpr=closed)
 
 
 def discover(step_fn: Callable[..., Any], *args: Any) -> tuple[StackInfo, ...]:
