@@ -194,7 +194,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   if measure:
     report_lib._check_measurable(args)  # pylint: disable=protected-access
   plans = report_lib.Plans(step_fn, args, traced or report_lib.trace(step_fn, *args),
-                           offload=offload, only=only)
+                           offload=offload, only=only, memory_only_reference=not measure)
   predicted = plans.predicted
   names = lambda i: plans.row(i).plan_text()
   reference = plans.reference()

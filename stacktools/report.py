@@ -25,6 +25,7 @@ stacks, which every prediction then adds. In pseudo-code::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -560,7 +561,7 @@ class Plans:
 
   def __init__(self, step_fn: Callable[..., Any], args: Sequence[Any],
                traced: Traced, *, offload: Optional[bool],
-               only: Optional[Sequence[str]]):
+               only: Optional[Sequence[str]], memory_only_reference: bool = False):
     self.step_fn, self.args, self.traced = step_fn, tuple(args), traced
     if offload is None:
       offload = host_memory_available()
@@ -568,14 +569,30 @@ class Plans:
     self.remats = {key: _restrict(f, only, key) for key, f in found.items()}
     _check_known(only, found)
     self.plans = _joint_plans(self.remats)
-    host_is_device = jax.default_backend() == "cpu"
-    self.predicted = [
-        _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
-                       host_is_device=host_is_device) for plan in self.plans]
     self.compiled: dict[int, Compiled] = {}
     self.times: dict[int, list[float]] = {}
     self.rest = 0
     self.compile_seconds = 0.0
+    # The reference (every stack "full") is compiled whatever the plans
+    # predict: started now, it compiles while they are predicted (XLA
+    # compiles without holding Python's lock).
+    self._pending: dict[int, tuple[float, concurrent.futures.Future]] = {}
+    full = self._all_full()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      if full is not None:
+        self._pending[full] = (time.perf_counter(), pool.submit(
+            compile_plan, step_fn, self.args, self.choice(self.plans[full]),
+            memory_only=memory_only_reference))
+      host_is_device = jax.default_backend() == "cpu"
+      self.predicted = [
+          _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
+                         host_is_device=host_is_device) for plan in self.plans]
+
+  def _all_full(self) -> Optional[int]:
+    for i, plan in enumerate(self.plans):
+      if all(label == REFERENCE for label in plan.values()):
+        return i
+    return None
 
   def choice(self, plan: Mapping[str, str]) -> dict[str, Any]:
     return {k: self.remats[k][label] for k, label in plan.items()}
@@ -583,9 +600,9 @@ class Plans:
   def reference(self) -> int:
     """The plan compiled first: every stack ``"full"`` where a candidate,
     else the plan predicted to keep the fewest bytes."""
-    for i, plan in enumerate(self.plans):
-      if all(label == REFERENCE for label in plan.values()):
-        return i
+    full = self._all_full()
+    if full is not None:
+      return full
     return min(range(len(self.plans)),
                key=lambda i: (self.predicted[i].saved_bytes, self.predicted[i].flops, i))
 
@@ -600,9 +617,13 @@ class Plans:
     known = self.compiled.get(i)
     if known is not None and (memory_only or known.executable is not None):
       return known
-    start = time.perf_counter()
-    compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
-                            memory_only=memory_only)
+    if i in self._pending:
+      start, future = self._pending.pop(i)
+      compiled = future.result()
+    else:
+      start = time.perf_counter()
+      compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
+                              memory_only=memory_only)
     if memory_only:
       compiled.executable = None   # not to be timed
     self.compile_seconds += time.perf_counter() - start
