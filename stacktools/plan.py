@@ -22,11 +22,17 @@ plan chosen by timing is always a plan that was timed. One-loop plans are
 preferred as the challenger because a per-depth mix compiles a loop per
 segment (twice the time). That makes at most ``MAX_COMPILES`` = 3 compiles:
 the reference, the challenger, and one check of a plan the model puts
-within ``MARGIN`` of the budget (the challenger itself, usually). The :class:`RematPlan` returned answers
-``remat="auto"`` while a step is traced under it, and is remembered in a
-cache folder (``cache_dir=`` or ``$STACKTOOLS_PLAN_CACHE``) under a key of
-everything it depends on, so the same step and budget plan again in the time
-of one trace.
+within ``MARGIN`` of the budget (the challenger itself, usually). Why not
+fewer: the reference is the one compile that tells what the step holds
+besides its stacks, and the two sides of the trade need a timing each. Why
+not more: on the benchmarks the model's error on temp bytes is within the
+margin, so one check settles the budget's edge; each further compile would
+add a whole compile's time to planning.
+
+The :class:`RematPlan` returned answers ``remat="auto"`` while a step is
+traced under it, and is remembered in a cache folder (``cache_dir=`` or
+``$STACKTOOLS_PLAN_CACHE``) under a key of everything it depends on, so the
+same step and budget plan again in the time of one trace.
 """
 
 from __future__ import annotations
