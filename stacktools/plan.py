@@ -10,8 +10,9 @@ settle. In pseudo-code::
   measure=False: the plan with the fewest FLOPs that fits
   measure=True:  challenger = fewest FLOPs among one-loop plans that fit
                  (any plan with fewer FLOPs than the reference if none)
-                 time reference and challenger, interleaved (as much again
-                 when the difference is within twice the noise)
+                 time reference and challenger, interleaved, in at most
+                 TIMING_SHARE of one compile's time (more rounds when the
+                 difference is within twice the noise)
                  the faster; within the noise, the challenger (fewer FLOPs)
 
 A trace prices FLOPs and bytes but not what one costs against the other on
@@ -58,6 +59,10 @@ MAX_COMPILES = 3
 #: Timings closer than this fraction are a tie (the spread of repeated runs
 #: of one program, where it is larger, up to twice this).
 TIE = 0.025
+#: The timed runs take at most this share of one compile's time (and at
+#: least two rounds), so that timing a slow step cannot make planning dearer
+#: than the compiles it saves.
+TIMING_SHARE = 0.5
 
 
 class RematPlan:
@@ -237,12 +242,17 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     if challenger is None:
       pick, decision = reference, "no plan with fewer FLOPs fits"
     else:
-      plans.time([reference, challenger], repeats)
+      pair = [reference, challenger]
+      plans.time(pair, 1)
+      per_round = plans.times[reference][0] + plans.times[challenger][0]
+      rounds = max(2, min(2 * repeats, int(
+          TIMING_SHARE * plans.compile_times[reference] / per_round)))
+      plans.time(pair, min(repeats, rounds) - 1)
       t_ref, t_new, noise = _fastest(plans.times[reference], plans.times[challenger])
-      if noise < abs(t_new / t_ref - 1) <= 2 * noise:
+      if noise < abs(t_new / t_ref - 1) <= 2 * noise and rounds > repeats:
         # Close to the noise: time as much again, so that the same plans
         # are not chosen one way in one run and the other in the next.
-        plans.time([reference, challenger], repeats)
+        plans.time(pair, rounds - repeats)
         t_ref, t_new, noise = _fastest(plans.times[reference], plans.times[challenger])
       timing = (f"{names(challenger)} {1e3 * t_new:.1f} ms against {names(reference)} "
                 f"{1e3 * t_ref:.1f} ms (noise {100 * noise:.1f}%)")
@@ -295,7 +305,9 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     budget: the most compiled temp memory, as bytes or e.g. ``"48MiB"``.
     measure: time two plans to learn what recomputation costs here, rather
       than choose by FLOPs alone.
-    repeats: timed runs of each of the two (the fastest counts).
+    repeats: timed runs of each of the two (the fastest counts), fewer
+      where they would take more than half a compile's time (at least 2),
+      as many again for a close call where there is time.
     offload: as in :func:`stacktools.remat_report`.
     only: as in :func:`stacktools.remat_report`.
     cache_dir: where plans are remembered; default

@@ -570,6 +570,7 @@ class Plans:
     _check_known(only, found)
     self.plans = _joint_plans(self.remats)
     self.compiled: dict[int, Compiled] = {}
+    self.compile_times: dict[int, float] = {}
     self.times: dict[int, list[float]] = {}
     self.rest = 0
     self.compile_seconds = 0.0
@@ -626,7 +627,8 @@ class Plans:
                               memory_only=memory_only)
     if memory_only:
       compiled.executable = None   # not to be timed
-    self.compile_seconds += time.perf_counter() - start
+    self.compile_times[i] = time.perf_counter() - start
+    self.compile_seconds += self.compile_times[i]
     if not self.compiled:   # the first compile calibrates every prediction
       self.rest = compiled.temp_bytes - self.predicted[i].temp_bytes
     self.compiled[i] = compiled
