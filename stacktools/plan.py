@@ -205,7 +205,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   if measure:
     report_lib._check_measurable(args)  # pylint: disable=protected-access
   plans = report_lib.Plans(step_fn, args, traced or report_lib.trace(step_fn, *args),
-                           offload=offload, only=only, memory_only_reference=not measure)
+                           offload=offload, only=only)
   predicted = plans.predicted
   names = lambda i: plans.row(i).plan_text()
   reference = plans.reference()

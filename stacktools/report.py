@@ -25,7 +25,6 @@ stacks, which every prediction then adds. In pseudo-code::
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -561,7 +560,7 @@ class Plans:
 
   def __init__(self, step_fn: Callable[..., Any], args: Sequence[Any],
                traced: Traced, *, offload: Optional[bool],
-               only: Optional[Sequence[str]], memory_only_reference: bool = False):
+               only: Optional[Sequence[str]]):
     self.step_fn, self.args, self.traced = step_fn, tuple(args), traced
     if offload is None:
       offload = host_memory_available()
@@ -574,20 +573,10 @@ class Plans:
     self.times: dict[int, list[float]] = {}
     self.rest = 0
     self.compile_seconds = 0.0
-    # The reference (every stack "full") is compiled whatever the plans
-    # predict: started now, it compiles while they are predicted (XLA
-    # compiles without holding Python's lock).
-    self._pending: dict[int, tuple[float, concurrent.futures.Future]] = {}
-    full = self._all_full()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      if full is not None:
-        self._pending[full] = (time.perf_counter(), pool.submit(
-            compile_plan, step_fn, self.args, self.choice(self.plans[full]),
-            memory_only=memory_only_reference))
-      host_is_device = jax.default_backend() == "cpu"
-      self.predicted = [
-          _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
-                         host_is_device=host_is_device) for plan in self.plans]
+    host_is_device = jax.default_backend() == "cpu"
+    self.predicted = [
+        _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
+                       host_is_device=host_is_device) for plan in self.plans]
 
   def _all_full(self) -> Optional[int]:
     for i, plan in enumerate(self.plans):
@@ -618,13 +607,9 @@ class Plans:
     known = self.compiled.get(i)
     if known is not None and (memory_only or known.executable is not None):
       return known
-    if i in self._pending:
-      start, future = self._pending.pop(i)
-      compiled = future.result()
-    else:
-      start = time.perf_counter()
-      compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
-                              memory_only=memory_only)
+    start = time.perf_counter()
+    compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
+                            memory_only=memory_only)
     if memory_only:
       compiled.executable = None   # not to be timed
     self.compile_times[i] = time.perf_counter() - start
