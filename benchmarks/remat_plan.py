@@ -1,18 +1,21 @@
-"""Does remat="auto" choose well? The planner's choice against every candidate, per budget.
+"""Does remat="auto" choose well, and quickly? The planner's choice against every candidate.
 
 For a gradient step of the benchmark GPT block stacked L times with
 ``remat="auto"``, at each depth:
 
-1. ``st.remat_report(step, params, x, measure=True)`` compiles and times every
-   candidate (each alias, each tagged name and both together, per-depth mixes
-   of none/full and full/nested); its wall time is the planning cost.
-2. Every candidate is compiled again with its remat passed explicitly
-   (``st.Stacked(..., remat=<candidate>)``), which checks the report's temp
-   bytes and gives one compile's cost.
+1. Every candidate is compiled with its remat passed explicitly
+   (``st.Stacked(..., remat=<candidate>)``): its temp memory, and the cost of
+   one compile (the median candidate's).
+2. ``st.remat_report(step, params, x)`` predicts every candidate from one
+   trace (one compile, of ``full``, calibrates it): the cost model's error on
+   temp bytes, against step 1, for every candidate.
 3. For budgets 10%, 25%, 50% and 75% of the way from ``full``'s temp memory
-   to ``none``'s, ``report.plan(budget=..., by_time=True)`` chooses; the
-   step is compiled under the plan (``jax.jit(plan.wrap(step))``) and its
-   temp memory checked against the budget.
+   to ``none``'s, ``st.plan_remat(step, params, x, budget=..., cache_dir=...)``
+   plans afresh (a new cache folder each time): its wall time against one
+   compile, the compiles it spent; then once more with the same folder (the
+   plan remembered: its wall time, the same plan). The step is compiled under
+   the plan (``jax.jit(plan.wrap(step))``) and its temp memory checked
+   against the budget.
 4. Every candidate is re-timed side by side: ``--rounds`` rounds, each timing
    every candidate once, in an order that alternates direction every round.
    The chosen plan's step time is compared with every candidate that fits
@@ -20,10 +23,7 @@ For a gradient step of the benchmark GPT block stacked L times with
    wall clock, and in process CPU time); the largest of these ratios, against
    the fastest fitting candidate, must be at most 1.05.
 
-Beside each choice, the planner's ``by_time=False`` choice (fewest FLOPs
-counted from the jaxpr): what it picks where time follows FLOPs.
-
-  python benchmarks/remat_plan.py              # full run, ~6 min on 2 quiet cores
+  python benchmarks/remat_plan.py              # full run, ~10 min on 2 quiet cores
   python benchmarks/remat_plan.py --quick      # seconds (the smoke test)
   python benchmarks/remat_plan.py --depths 16 --rounds 5 --only none full nested
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -57,6 +58,9 @@ MiB = 2 ** 20
 FRACTIONS = (0.10, 0.25, 0.50, 0.75)
 #: The chosen plan's step time over the fastest fitting candidate's, at most.
 TARGET = 1.05
+#: Fresh plannings per budget, each followed by a compile of the step under
+#: its plan (the fastest of each counts).
+PLAN_ROUNDS = 2
 KINDS = ("alias", "named", "mix none/full", "mix full/nested")
 
 
@@ -181,62 +185,99 @@ def judge(budget: int, chosen: str, temp: dict[str, int], wall, cpu,
   return out
 
 
+def plan_afresh(step, params, x, budget: int, only) -> dict[str, Any]:
+  """``st.plan_remat`` in a new cache folder, then again in the same one."""
+  with tempfile.TemporaryDirectory() as folder:
+    start = time.perf_counter()
+    plan = st.plan_remat(step, params, x, budget=budget, only=only, cache_dir=folder)
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    again = st.plan_remat(step, params, x, budget=budget, only=only, cache_dir=folder)
+    reuse_seconds = time.perf_counter() - start
+  report = plan.report
+  return {"plan": plan, "seconds": seconds, "compiles": report.compiles,
+          "compiled": [r.plan_text() for r in report.rows if r.compiled],
+          "timed": {r.plan_text(): r.step_time_s for r in report.rows
+                    if r.step_time_s is not None},
+          "decision": report.decision, "reuse_seconds": reuse_seconds,
+          "reused": again.reused, "reused_same_plan": again.labels == plan.labels}
+
+
 def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
-  """Report, choose under every budget, re-time, check: one depth."""
+  """Compile all, predict, plan under every budget, re-time, check: one depth."""
   harness.log(f"L={num_layers}: load {load()}")
   x = models.example_input(cfg)
   auto_model, auto_step = gradient_step(cfg, num_layers, "auto")
   params = numpy_params(auto_model, x)
 
   start = time.perf_counter()
-  report = st.remat_report(auto_step, params, x, measure=True, repeats=args.repeats,
-                           only=args.only)
-  report_s = time.perf_counter() - start
-  (key,) = [s.key for s in report.stacks]
-  rows = {r.plan[key]: r for r in report.rows}
-  harness.log(f"L={num_layers}: remat_report, {len(rows)} candidates, {report_s:.1f} s\n"
-              f"{report}")
+  predicted = st.remat_report(auto_step, params, x, only=args.only)
+  predict_s = time.perf_counter() - start
+  (key,) = [s.key for s in predicted.stacks]
+  rows = {r.plan[key]: r for r in predicted.rows}
 
-  # Each candidate with its remat passed explicitly: a second, independent
-  # compile (temp bytes must equal the report's), and the executables to time.
+  # Every candidate with its remat passed explicitly: the temp bytes the
+  # predictions are checked against, one compile's cost, the executables.
   compiled, compile_s, temp = {}, {}, {}
-  for label, remat in report.remats[key].items():
+  for label, remat in predicted.remats[key].items():
     step = jax.jit(gradient_step(cfg, num_layers, remat)[1])
     t0 = time.perf_counter()
     compiled[label] = step.lower(params, x).compile()
     compile_s[label] = time.perf_counter() - t0
     temp[label] = int(compiled[label].memory_analysis().temp_size_in_bytes)
     instruments.block(compiled[label](params, x))
-  mismatched = {n: [temp[n], rows[n].temp_bytes] for n in temp
-                if temp[n] != rows[n].temp_bytes}
+  one = instruments.median(compile_s.values())   # a typical single compile
+  harness.log(f"L={num_layers}: {len(rows)} candidates predicted in {predict_s:.1f} s "
+              f"(one compile: {one:.2f} s)\n{predicted}")
 
   budgets, plan_compiles, copies = [], {}, {}
   low, high = temp["full"], temp["none"]
   for fraction in args.fractions:
     budget = int(low + fraction * (high - low))
-    plan = report.plan(budget=budget, by_time=True)
-    label = plan.labels[key]
-    if label not in plan_compiles:
-      # The step as a user compiles it under the plan. plan.wrap gives a fresh
+    runs = []
+    for _ in range(PLAN_ROUNDS):
+      planned = plan_afresh(auto_step, params, x, budget, args.only)
+      plan = planned.pop("plan")
+      # The step as a user compiles it under the plan, right after planning:
+      # one compile, timed beside the planning. plan.wrap gives a fresh
       # function: `with plan: jax.jit(auto_step)` would reuse the trace that
       # jit cached for auto_step under the first plan.
       t0 = time.perf_counter()
       under_plan = jax.jit(plan.wrap(auto_step)).lower(params, x).compile()
-      plan_compiles[label] = (int(under_plan.memory_analysis().temp_size_in_bytes),
-                              time.perf_counter() - t0)
+      planned["compile_under_plan_seconds"] = time.perf_counter() - t0
+      planned["label"] = plan.labels[key]
+      planned["temp_under_plan"] = int(under_plan.memory_analysis().temp_size_in_bytes)
+      runs.append((planned, under_plan))
+    (planned, under_plan), label = runs[0], runs[0][0]["label"]
+    if label not in plan_compiles:
+      plan_compiles[label] = (planned["temp_under_plan"],
+                              planned["compile_under_plan_seconds"])
       instruments.block(under_plan(params, x))
       copies[copy_name(label)] = under_plan
-    by_flops = report.plan(budget=budget, by_time=False)
+    seconds = min(r["seconds"] for r, _ in runs)
+    beside = min(r["compile_under_plan_seconds"] for r, _ in runs)
+    fits = [n for n in temp if temp[n] <= budget]
+    by_flops = min(fits, key=lambda n: (rows[n].flops, temp[n]))
     budgets.append({"fraction": fraction, "budget_bytes": budget, "chosen": label,
                     "chosen_kind": kind_of(label),
-                    "chosen_temp_bytes": plan_compiles[label][0],
-                    "within_budget": plan_compiles[label][0] <= budget,
-                    "report_step_s": rows[label].step_time_s,
-                    "chosen_by_flops": by_flops.labels[key],
-                    "chosen_by_flops_temp_bytes": rows[by_flops.labels[key]].temp_bytes})
+                    "chosen_temp_bytes": planned["temp_under_plan"],
+                    "within_budget": all(r["temp_under_plan"] <= budget for r, _ in runs),
+                    "planning_seconds": seconds,
+                    "planning_over_one_compile": seconds / one,
+                    "compile_beside_seconds": beside,
+                    "planning_over_compile_beside": seconds / beside,
+                    "same_plan_every_round": len({r["label"] for r, _ in runs}) == 1,
+                    "rounds": [r for r, _ in runs],
+                    **{k: v for k, v in planned.items() if k != "seconds"},
+                    "chosen_by_flops": by_flops,
+                    "chosen_by_flops_temp_bytes": temp[by_flops]})
     harness.log(f"L={num_layers} budget {fraction:.0%} ({budget / MiB:.1f} MiB): "
-                f"{label} ({plan_compiles[label][0] / MiB:.1f} MiB); "
-                f"fewest FLOPs: {by_flops.labels[key]}")
+                f"{label} ({planned['temp_under_plan'] / MiB:.1f} MiB), planned in "
+                f"{seconds:.1f} s = {seconds / one:.2f}x one compile, "
+                f"{seconds / beside:.2f}x the compile beside it; "
+                f"{planned['compiles']} compiles; reused in "
+                f"{planned['reuse_seconds']:.2f} s; "
+                f"{[r['label'] for r, _ in runs]}; {planned['decision']}")
 
   harness.log(f"L={num_layers}: re-timing {len(compiled)} candidates and "
               f"{len(copies)} compiled under a plan, {args.rounds} rounds")
@@ -254,29 +295,31 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
   for label, row in rows.items():
     candidates.append({
         "label": label, "kind": kind_of(label), "temp_bytes": temp[label],
-        "report_temp_bytes": row.temp_bytes, "flops": row.flops,
-        "xla_flops": row.xla_flops, "bytes_accessed": row.bytes_accessed,
-        "report_step_s": row.step_time_s, "compile_s": compile_s[label],
+        "predicted_temp_bytes": row.predicted_temp_bytes,
+        "temp_error": row.predicted_temp_bytes / temp[label] - 1,
+        "saved_bytes": row.saved_bytes, "flops": row.flops,
+        "compile_s": compile_s[label],
         "median_s": instruments.median(wall[label]),
         "median_cpu_s": instruments.median(cpu[label]),
         "wall_s": wall[label], "cpu_s": cpu[label]})
-  one = instruments.median(compile_s.values())   # a typical single compile
   return {
       "num_layers": num_layers, "stack": key, "candidates": candidates,
       "budgets": budgets, "temp_full_bytes": low, "temp_none_bytes": high,
-      "report_temp_mismatches": mismatched,
+      "report_temp_mismatches": {n: [temp[n], rows[n].temp_bytes] for n in rows
+                                 if rows[n].compiled and rows[n].temp_bytes != temp[n]},
       "identical_programs": controls,
       "noise_floor": max(abs(c["ratio"] - 1) for c in controls.values()),
       "noise_floor_cpu": max(abs(c["ratio_cpu"] - 1) for c in controls.values()),
       "planning": {
-          "report_seconds": report_s,
-          "report_compile_seconds": report.compile_seconds,
           "candidates": len(rows),
+          "predict_seconds": predict_s,
           "compile_all_seconds": sum(compile_s.values()),
           "one_compile_seconds": one,
           "plan_compile_seconds": {n: c[1] for n, c in plan_compiles.items()},
-          "report_over_one_compile": report_s / one,
           "compile_all_over_one_compile": sum(compile_s.values()) / one,
+          "max_planning_over_one_compile": max(b["planning_over_one_compile"]
+                                               for b in budgets),
+          "max_temp_error": max(abs(c["temp_error"]) for c in candidates),
       },
       "load": load(),
   }
@@ -291,6 +334,16 @@ def summarise(depths: list[dict[str, Any]]) -> dict[str, Any]:
       "target": TARGET,
       "worst_ratio": max(b["ratio"] for _, b in entries),
       "worst_ratio_cpu": max(b["ratio_cpu"] for _, b in entries),
+      "max_planning_over_one_compile": max(b["planning_over_one_compile"]
+                                           for _, b in entries),
+      "max_planning_over_compile_beside": max(b["planning_over_compile_beside"]
+                                              for _, b in entries),
+      "all_same_plan_every_round": all(b["same_plan_every_round"] for _, b in entries),
+      "max_compiles": max(b["compiles"] for _, b in entries),
+      "max_reuse_seconds": max(b["reuse_seconds"] for _, b in entries),
+      "all_reused_same_plan": all(b["reused"] and b["reused_same_plan"]
+                                  for _, b in entries),
+      "max_temp_error": max(d["planning"]["max_temp_error"] for d in depths),
       "misses": [f"L={n} {b['fraction']:.0%}: {b['chosen']} {b['ratio']:.3f}x "
                  f"{b['fastest_fitting']} ({b['verdict']})" for n, b in entries
                  if not b["met"]],
@@ -311,32 +364,43 @@ def summarise(depths: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(payload: dict[str, Any]) -> str:
   lines = []
   for depth in payload["depths"]:
-    n = depth["num_layers"]
+    n, p = depth["num_layers"], depth["planning"]
     by = {c["label"]: c for c in depth["candidates"]}
     lines.append(f"**L={n}**: full {depth['temp_full_bytes'] / MiB:.1f} MiB, none "
-                 f"{depth['temp_none_bytes'] / MiB:.1f} MiB; {len(by)} candidates")
+                 f"{depth['temp_none_bytes'] / MiB:.1f} MiB; {len(by)} candidates; one "
+                 f"compile {p['one_compile_seconds']:.2f} s (the median candidate's)")
     lines.append("")
-    lines.append("| budget | chosen plan | temp MiB | step ms | fastest fitting (ms) "
-                 "| ratio: wall | cpu | same program under the plan: wall | cpu "
-                 "| fewest FLOPs (temp MiB) |")
-    lines.append("|---|---|---:|---:|---|---:|---:|---:|---:|---|")
+    lines.append("| budget | planning s (x one compile; x the compile beside it) "
+                 "| compiles | chosen plan (every round) | temp MiB "
+                 "| step ms | fastest fitting (ms) | ratio: wall | cpu "
+                 "| same program under the plan: wall | cpu | remembered: s, same plan |")
+    lines.append("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|")
     for b in depth["budgets"]:
       ratio, ratio_cpu = (_ratio_cell(b["ratio"], b["ratio_ci95"]),
                           _ratio_cell(b["ratio_cpu"], b["ratio_cpu_ci95"]))
+      planning = (f"{b['planning_seconds']:.1f} ({b['planning_over_one_compile']:.2f}x; "
+                  f"{b['planning_over_compile_beside']:.2f}x)")
+      if b["planning_over_one_compile"] > 3:
+        planning = f"**{planning}**"
+      chosen = b["chosen"] if b["same_plan_every_round"] else (
+          ", ".join(r["label"] for r in b["rounds"]))
       lines.append(
-          f"| {b['fraction']:.0%}: {b['budget_bytes'] / MiB:.1f} MiB | {b['chosen']} "
+          f"| {b['fraction']:.0%}: {b['budget_bytes'] / MiB:.1f} MiB | {planning} "
+          f"| {b['compiles']} | {chosen} "
           f"| {b['chosen_temp_bytes'] / MiB:.1f} | {b['chosen_s'] * 1e3:.0f} "
           f"| {b['fastest_fitting']} ({b['fastest_fitting_s'] * 1e3:.0f}) | {ratio} "
           f"| {ratio_cpu} | {b['copy_ratio']:.3f} | {b['copy_ratio_cpu']:.3f} "
-          f"| {b['chosen_by_flops']} "
-          f"({b['chosen_by_flops_temp_bytes'] / MiB:.1f}) |")
-    p = depth["planning"]
+          f"| {b['reuse_seconds']:.2f}, {'yes' if b['reused_same_plan'] else 'NO'} |")
     lines.append("")
-    lines.append(f"Planning: remat_report(measure=True) took {p['report_seconds']:.1f} s "
-                 f"for {p['candidates']} candidates; compiling them all took "
-                 f"{p['compile_all_seconds']:.1f} s against {p['one_compile_seconds']:.2f} s "
-                 f"for one, the median candidate ({p['compile_all_over_one_compile']:.1f}x; "
-                 f"the whole report {p['report_over_one_compile']:.1f}x).")
+    lines.append("| candidate | predicted temp MiB | compiled temp MiB | error | saved MiB "
+                 "| GFLOPs | step ms | compile s |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in sorted(depth["candidates"], key=lambda c: c["temp_bytes"]):
+      lines.append(
+          f"| {c['label']} | {c['predicted_temp_bytes'] / MiB:.2f} "
+          f"| {c['temp_bytes'] / MiB:.2f} | {100 * c['temp_error']:+.1f}% "
+          f"| {c['saved_bytes'] / MiB:.2f} | {c['flops'] / 1e9:.2f} "
+          f"| {c['median_s'] * 1e3:.0f} | {c['compile_s']:.2f} |")
     lines.append("")
     pairs = ", ".join(f"{n}: wall {c['ratio']:.3f}, cpu {c['ratio_cpu']:.3f}"
                       for n, c in depth["identical_programs"].items())
@@ -347,9 +411,14 @@ def markdown(payload: dict[str, Any]) -> str:
                "plan's step time over the fastest fitting candidate's in the same round "
                "(fastest: the one this ratio is largest against; on the CPU clock it can "
                "be another), [its bootstrap 95% interval]; **bold**: above "
-               f"{TARGET}. *Same program under the plan*: the same statistic for the "
-               "chosen plan's step compiled under the plan (an identical program, timed "
-               "beside it): what noise alone gives.")
+               f"{TARGET} (or planning above 3x one compile). *Same program under the "
+               "plan*: the same statistic for the chosen plan's step compiled under the "
+               "plan (an identical program, timed beside it): what noise alone gives. "
+               "*Planning*: the faster of two fresh st.plan_remat calls, over one "
+               "compile (the median candidate's) and over the faster of the two "
+               "compiles of the step under the plan right after each; *every round*: "
+               "the plans the two calls chose, where they differ. *Remembered*: "
+               "st.plan_remat called again with the same cache folder.")
   return "\n".join(lines)
 
 
@@ -387,13 +456,14 @@ def draw(payload: dict[str, Any]):
       for row, (key, ylabel, choose) in enumerate((
           ("wall_s", "step time: median over the interleaved rounds, bars p25-p75 (ms)",
            "chosen"),
-          ("flops", "GFLOPs per step (counted from the jaxpr)", "chosen_by_flops"))):
+          ("predicted", "temp memory predicted from one trace (MiB); gray: equal",
+           "chosen"))):
         ax = axes[row][col]
         if key == "wall_s":
           value = {c["label"]: 1e3 * c["median_s"] for c in cands}
           spread = {c["label"]: 1e3 * np.percentile(c["wall_s"], [25, 75]) for c in cands}
         else:
-          value = {c["label"]: 1e-9 * c["flops"] for c in cands}
+          value = {c["label"]: c["predicted_temp_bytes"] / MiB for c in cands}
           spread = None
         for kind in KINDS:
           names = [c["label"] for c in cands if c["kind"] == kind]
@@ -409,9 +479,14 @@ def draw(payload: dict[str, Any]):
         for n in mem:
           ax.annotate(n, (mem[n], value[n]), fontsize=6, xytext=(4, -8),
                       textcoords="offset points", alpha=0.8)
-        front = _frontier(list(zip(mem.values(), value.values())))
-        (handles["frontier: the best with at most this memory"],) = ax.plot(
-            *zip(*front), "-", color="gray", alpha=0.5, zorder=1)
+        if key == "wall_s":
+          front = _frontier(list(zip(mem.values(), value.values())))
+          (handles["frontier: the best with at most this memory"],) = ax.plot(
+              *zip(*front), "-", color="gray", alpha=0.5, zorder=1)
+        else:
+          span = [min(mem.values()), max(mem.values())]
+          ax.plot(span, span, "-", color="gray", alpha=0.5, zorder=1)
+          ax.set_yscale("log")
         rings: dict[str, list[str]] = {}
         for i, b in enumerate(depth["budgets"]):
           color = f"C{i + 4}"
@@ -428,8 +503,8 @@ def draw(payload: dict[str, Any]):
         ax.set_xscale("log")
         ax.set_xlabel("compiled temp memory of one gradient step (MiB)")
         ax.set_ylabel(ylabel, fontsize=8)
-        what = ("rings: chosen by measured time (by_time=True)" if row == 0
-                else "rings: chosen by fewest FLOPs (by_time=False)")
+        what = ("rings: chosen by st.plan_remat" if row == 0
+                else "the cost model against the compiler")
         ax.set_title(f"{payload['config']['model_config']['kind']} "
                      f"L={depth['num_layers']}: every candidate; {what}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
@@ -450,8 +525,6 @@ def build_parser():
   p.add_argument("--only", nargs="+", default=None,
                  help="candidate labels to report (default: every candidate); must "
                       "include none and full, which set the budgets")
-  p.add_argument("--repeats", type=int, default=5,
-                 help="timed runs per candidate in remat_report (after one warm-up)")
   p.add_argument("--rounds", type=int, default=31, help="interleaved re-timing rounds")
   p.add_argument("--warmup_rounds", type=int, default=1)
   p.add_argument("--model", choices=("gpt", "mlp"), default="gpt",
@@ -464,7 +537,7 @@ def build_parser():
 
 
 QUICK = ["--model", "mlp", "--depths", "2", "--only", "none", "full", "none:1,full:1",
-         "--repeats", "1", "--rounds", "3", "--warmup_rounds", "0", "--width", "16",
+         "--rounds", "3", "--warmup_rounds", "0", "--width", "16",
          "--batch", "8"]
 
 
@@ -482,12 +555,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "quick": args.quick,
       "config": {
           "model_config": cfg.describe(), "depths": args.depths,
-          "fractions": args.fractions, "only": args.only, "repeats": args.repeats,
+          "fractions": args.fractions, "only": args.only,
           "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "target": TARGET,
           "step": f"jax.value_and_grad(mean(st.Stacked({args.model}, L, "
                   "remat='auto').fold(x)**2))",
           "budget": "temp(full) + fraction * (temp(none) - temp(full)), in bytes",
-          "choice": "report.plan(budget=..., by_time=True)",
+          "choice": "st.plan_remat(step, params, x, budget=..., cache_dir=<new folder>)",
           "ratio": "max over fitting candidates c of the median over rounds of "
                    "chosen / c in the same round; every candidate timed once per "
                    "round, direction alternating",

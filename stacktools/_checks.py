@@ -347,6 +347,29 @@ def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
 # Names a checkpoint policy refers to.
 
 
+def _traces_recorded() -> list[list[Any]]:
+  if not hasattr(_local, "traces"):
+    _local.traces = []
+  return _local.traces
+
+
+@contextlib.contextmanager
+def recording_traces() -> Iterator[list[Any]]:
+  """Collects ``(closed_jaxpr, args)`` of every :func:`names_tagged_in` trace.
+
+  The remat planner reads a loop's step from the trace that finds its names
+  (one per kind of block), rather than tracing the step again. Only the
+  innermost recording collects, so a stack inside a block is not mistaken
+  for the outer stack's step.
+  """
+  found: list[Any] = []
+  _traces_recorded().append(found)
+  try:
+    yield found
+  finally:
+    _traces_recorded().pop()
+
+
 def names_tagged_in(fn: Any, *args: Any) -> set[str]:
   """Every name given to ``checkpoint_name`` when ``fn(*args)`` is traced.
 
@@ -354,6 +377,9 @@ def names_tagged_in(fn: Any, *args: Any) -> set[str]:
   names tagged with ``jax.ad_checkpoint.checkpoint_name`` count too.
   """
   names: set[str] = set()
+  closed = jax.make_jaxpr(fn)(*args)
+  if _traces_recorded():
+    _traces_recorded()[-1].append((closed, args))
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
@@ -365,7 +391,7 @@ def names_tagged_in(fn: Any, *args: Any) -> set[str]:
           if hasattr(sub, "eqns"):
             walk(sub)
 
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  walk(closed.jaxpr)
   return names
 
 

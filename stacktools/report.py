@@ -1,4 +1,4 @@
-"""The cost of every remat candidate of a step, compiled: ``st.remat_report``.
+"""The cost of every remat candidate of a step: ``st.remat_report``.
 
 Vocabulary:
 
@@ -8,16 +8,19 @@ Vocabulary:
 * a *candidate* is one remat value for one stack: each alias, each name the
   block tags with ``checkpoint_name`` (and all of them), and per-depth mixes
   of two policies at a few split points;
-* a *plan* gives every stack a candidate; the report compiles the step once
-  per plan and reads its temp memory and cost from the compiled program.
+* a *plan* gives every stack a candidate.
 
-In pseudo-code::
+Every plan is predicted from one trace of the step, without compiling it
+(``_model.py``: what the loops keep per layer and the FLOPs of a layer,
+times counts, plus carries, seams and nested splits). One compile, of the
+plan that runs every stack ``"full"``, tells what the step holds besides its
+stacks, which every prediction then adds. In pseudo-code::
 
-  stacks = discover(step_fn, *args)                # one abstract trace
-  for plan in product(candidates(s) for s in stacks):
-    compiled = jit(step_fn under plan).lower(*args).compile()
-    row = (plan, temp_bytes(compiled), flops(compiled), [median step time])
-  chosen = fastest (or fewest FLOPs) row with temp_bytes <= budget   # plan.py
+  traced = trace(step_fn, *args)              # stacks, each layer's trace
+  rows = [predict(plan) for plan in plans]     # no compile
+  rest = temp(compile(all "full")) - predict(all "full")
+  with a budget: compile a few more and choose (plan.py)
+  compile_all=True: compile (and time) every plan, beside its prediction
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import dataclasses
 import functools
 import itertools
 import re
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -35,16 +37,19 @@ import jax
 
 from stacktools import _checks
 from stacktools import _costs
+from stacktools import _model
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
-#: How many joint plans are compiled at most before falling back to giving
+#: How many joint plans are predicted at most before falling back to giving
 #: every stack the same kind of candidate.
 MAX_JOINT_PLANS = 64
 #: The split points of per-depth mixes, as fractions of a stack's depth.
 MIX_FRACTIONS = (0.25, 0.5, 0.75)
 #: The pairs of policies mixed per depth: (first layers, remaining layers).
 MIX_PAIRS = (("none", "full"), ("full", "nested"))
+#: The label of the reference candidate, compiled first.
+REFERENCE = "full"
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -112,18 +117,21 @@ class _Keys:
 
 
 class _Discovery:
-  """Records every auto stack; traces them as ``"full"``."""
+  """Records every auto stack and its layers' traces; traces them as ``"full"``."""
 
   def __init__(self):
     self.stacks: dict[str, StackInfo] = {}
+    self.layers: dict[str, list[Any]] = {}
     self._keys = _Keys()
 
   def remat_for(self, key, length, probe):
     key = self._keys(key)
     if key not in self.stacks:
-      tagged = sorted(probe() - set(policy_lib.RESERVED_NAMES))
+      with _checks.recording_traces() as traces:   # one per kind of block
+        tagged = sorted(probe() - set(policy_lib.RESERVED_NAMES))
       self.stacks[key] = StackInfo(key, length, tuple(tagged))
-    return policy_lib.REMAT_ALIASES["full"]
+      self.layers[key] = traces
+    return policy_lib.REMAT_ALIASES[REFERENCE]
 
 
 class Fixed:
@@ -154,16 +162,46 @@ def under(context, fn: Callable[..., Any]) -> Callable[..., Any]:
   return wrapped
 
 
-def discover(step_fn: Callable[..., Any], *args: Any) -> tuple[StackInfo, ...]:
-  """The stacks built with ``remat="auto"`` that ``step_fn(*args)`` runs."""
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """What one trace of the step tells the planner.
+
+  Attributes:
+    stacks: the auto stacks, in the order the step runs them.
+    models: stack key -> its cost model.
+    step_flops: FLOPs of the step with every stack ``"full"``.
+    jaxpr: the step's closed jaxpr, so traced.
+  """
+
+  stacks: tuple[StackInfo, ...]
+  models: Mapping[str, _model.StackModel]
+  step_flops: int
+  jaxpr: Any
+
+  def text(self) -> str:
+    """The step's jaxpr as text: what a remembered plan is keyed on."""
+    return str(self.jaxpr)
+
+
+def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
+  """Traces ``step_fn(*args)`` once, abstractly: its auto stacks and models."""
   context = _Discovery()
-  jax.eval_shape(under(context, step_fn), *args)
+  closed = jax.make_jaxpr(under(context, step_fn))(*args)
   if not context.stacks:
     raise ValueError(
         "No stack in step_fn uses remat='auto', so there is nothing to plan. "
         "Build the stacks to plan with remat='auto' (st.Stacked(..., "
         "remat='auto')).")
-  return tuple(context.stacks.values())
+  models = {key: _model.StackModel(info.num_layers,
+                                   [_model.Layer(c, a) for c, a in context.layers[key]])
+            for key, info in context.stacks.items()}
+  return Traced(stacks=tuple(context.stacks.values()), models=models,
+                step_flops=_costs.jaxpr_flops(closed.jaxpr), jaxpr=closed)
+
+
+def discover(step_fn: Callable[..., Any], *args: Any) -> tuple[StackInfo, ...]:
+  """The stacks built with ``remat="auto"`` that ``step_fn(*args)`` runs."""
+  return trace(step_fn, *args).stacks
 
 
 # ---------------------------------------------------------------------------
@@ -220,24 +258,30 @@ def host_memory_available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ReportRow:
-  """One candidate plan, compiled.
+  """One candidate plan: predicted, and compiled where the planner compiled it.
 
   Attributes:
     plan: stack key -> candidate label.
-    temp_bytes: ``memory_analysis().temp_size_in_bytes`` of the step.
-    flops: FLOPs of the step, recomputation included, counted from its
-      jaxpr with every loop body times its trip count.
-    xla_flops: ``cost_analysis()["flops"]``, which counts a loop body once
-      whatever its trip count (so it undercounts deep stacks).
+    predicted_temp_bytes: compiled temp memory as the cost model predicts it.
+    saved_bytes: bytes the step keeps for its backward passes (residuals,
+      carries, copies at seams; offloaded ones included), predicted.
+    flops: FLOPs of the step, recomputation included, predicted from the
+      FLOPs of one layer (counted from its jaxpr) times the layers.
+    temp_bytes: ``memory_analysis().temp_size_in_bytes`` of the step, where
+      compiled (else ``None``).
+    xla_flops: ``cost_analysis()["flops"]`` where compiled; it counts a loop
+      body once whatever its trip count (so it undercounts deep stacks).
     bytes_accessed: ``cost_analysis()["bytes accessed"]``, likewise.
-    step_time_s: the median step time, when measured.
+    step_time_s: the fastest of the timed runs, where timed.
   """
 
   plan: Mapping[str, str]
-  temp_bytes: int
+  predicted_temp_bytes: int
+  saved_bytes: int
   flops: float
-  xla_flops: float
-  bytes_accessed: float
+  temp_bytes: Optional[int] = None
+  xla_flops: Optional[float] = None
+  bytes_accessed: Optional[float] = None
   step_time_s: Optional[float] = None
 
   def plan_text(self) -> str:
@@ -245,15 +289,44 @@ class ReportRow:
       return next(iter(self.plan.values()))
     return "; ".join(f"{k}={v}" for k, v in self.plan.items())
 
+  @property
+  def compiled(self) -> bool:
+    return self.temp_bytes is not None
+
+  @property
+  def memory(self) -> int:
+    """Compiled temp bytes where known, else the predicted ones."""
+    return self.temp_bytes if self.compiled else self.predicted_temp_bytes
+
+  @property
+  def temp_error(self) -> Optional[float]:
+    """``predicted / compiled - 1`` where compiled."""
+    if not self.compiled:
+      return None
+    return self.predicted_temp_bytes / max(self.temp_bytes, 1) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class RematReport:
-  """Every candidate plan of a step, with its compiled cost.
+  """Every candidate plan of a step: predicted, and compiled where it was.
 
   ``str(report)`` is a table, one row per candidate, smallest memory first;
   a per-depth mix that needs more temp memory than each of its policies
   (each seam copies the per-layer inputs it slices) is marked ``above none
   and full``.
+
+  Attributes:
+    stacks: the auto stacks.
+    rows: one per candidate plan.
+    compile_seconds: seconds spent compiling (and timing).
+    remats: stack key -> label -> remat value.
+    budget: the budget the report was made for, if any.
+    chosen: the row chosen under ``budget``, if any.
+    compiles: how many plans were compiled.
+    rest_bytes: what the step holds besides its stacks, read from the
+      compiled reference plan; every prediction includes it.
+    seconds: the report's wall time, tracing included.
+    decision: how the chosen row was chosen, in words.
   """
 
   stacks: tuple[StackInfo, ...]
@@ -263,20 +336,31 @@ class RematReport:
       default_factory=dict, repr=False)   # stack key -> label -> remat value
   budget: Optional[int] = None
   chosen: Optional[ReportRow] = None
+  compiles: int = 0
+  rest_bytes: int = 0
+  seconds: float = 0.0
+  decision: str = ""
 
   def __str__(self) -> str:
     timed = any(r.step_time_s is not None for r in self.rows)
-    header = (["plan", "temp MiB", "GFLOPs", "XLA GFLOPs", "XLA GB accessed"] +
+    xla = any(r.xla_flops is not None for r in self.rows)
+    header = (["plan", "predicted MiB", "compiled MiB", "error", "saved MiB",
+               "GFLOPs"] + (["XLA GFLOPs", "XLA GB accessed"] if xla else []) +
               (["step ms"] if timed else []))
+    opt = lambda v, fmt: "" if v is None else fmt(v)
     lines = []
-    for row in sorted(self.rows, key=lambda r: (r.temp_bytes, r.flops)):
-      cells = [row.plan_text(), f"{row.temp_bytes / 2**20:.2f}",
-               f"{row.flops / 1e9:.3f}", f"{row.xla_flops / 1e9:.3f}",
-               f"{row.bytes_accessed / 1e9:.3f}"]
+    for row in sorted(self.rows, key=lambda r: (r.memory, r.flops)):
+      cells = [row.plan_text(), f"{row.predicted_temp_bytes / 2**20:.2f}",
+               opt(row.temp_bytes, lambda v: f"{v / 2**20:.2f}"),
+               opt(row.temp_error, lambda v: f"{100 * v:+.1f}%"),
+               f"{row.saved_bytes / 2**20:.2f}", f"{row.flops / 1e9:.3f}"]
+      if xla:
+        cells += [opt(row.xla_flops, lambda v: f"{v / 1e9:.3f}"),
+                  opt(row.bytes_accessed, lambda v: f"{v / 1e9:.3f}")]
       if timed:
-        cells.append("" if row.step_time_s is None else f"{1e3 * row.step_time_s:.2f}")
+        cells.append(opt(row.step_time_s, lambda v: f"{1e3 * v:.2f}"))
       marks = [f"above {' and '.join(names)}" for names in self._above_its_policies(row)]
-      if self.budget is not None and row.temp_bytes > self.budget:
+      if self.budget is not None and row.memory > self.budget:
         marks.append("over budget")
       if row is self.chosen:
         marks.append("<- chosen")
@@ -284,11 +368,15 @@ class RematReport:
     header.append("")
     widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    title = (f"remat report: {len(self.rows)} candidate plans compiled in "
-             f"{self.compile_seconds:.1f} s")
+    title = (f"remat report: {len(self.rows)} candidate plans predicted, "
+             f"{self.compiles} compiled ({self.compile_seconds:.1f} s compiling and "
+             f"timing, {self.seconds:.1f} s in all)")
     if self.budget is not None:
       title += f"; budget {format_bytes(self.budget)}"
-    return "\n".join([title, fmt(header)] + [fmt(c) for c in lines])
+    out = [title, fmt(header)] + [fmt(c) for c in lines]
+    if self.decision:
+      out.append(f"chosen: {self.decision}")
+    return "\n".join(out)
 
   def _above_its_policies(self, row: ReportRow) -> list[tuple[str, ...]]:
     """For each per-depth mix in ``row``'s plan whose policies' rows are here
@@ -304,12 +392,12 @@ class RematReport:
         continue
       names = tuple(dict.fromkeys(name for name, _, _ in parts))
       others = [by_plan.get(tuple(sorted({**row.plan, key: name}.items()))) for name in names]
-      if all(o is not None and o.temp_bytes < row.temp_bytes for o in others):
+      if all(o is not None and o.memory < row.memory for o in others):
         above.append(names)
     return above
 
   def plan(self, *, budget: Union[int, str], by_time: bool = True) -> Any:
-    """The plan :func:`stacktools.plan_remat` would choose from this report.
+    """The plan :meth:`stacktools.RematPlan.from_report` chooses from this report.
 
     Example::
 
@@ -325,22 +413,23 @@ class RematReport:
       train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
 
       report = st.remat_report(train_step, params, batch, measure=True,
-                               only=["full", "nested"])
+                               only=["full", "nested"], compile_all=True)
       plan = report.plan(budget="48MiB")
       with plan:
         step = jax.jit(train_step).lower(params, batch).compile()
 
     Args:
       budget: the most compiled temp memory, as bytes or e.g. ``"48MiB"``.
-      by_time: choose the fastest measured plan (the report must be
-        measured); otherwise the one with the fewest FLOPs.
+      by_time: choose the fastest timed plan (ties within the timing noise
+        go to fewer FLOPs, then less memory); otherwise the one with the
+        fewest FLOPs.
 
     Returns:
       The :class:`stacktools.plan.RematPlan`.
 
     Raises:
-      ValueError: when no candidate fits: names the smallest achievable
-        temp memory and its plan.
+      ValueError: when no candidate fits: names the smallest temp memory and
+        its plan.
     """
     # plan.py builds on this module; imported here, where a plan is asked for.
     from stacktools import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -349,27 +438,87 @@ class RematReport:
   def to_json(self) -> dict[str, Any]:
     return {"budget_bytes": self.budget,
             "compile_seconds": self.compile_seconds,
+            "compiles": self.compiles,
+            "rest_bytes": self.rest_bytes,
+            "seconds": self.seconds,
+            "decision": self.decision,
             "stacks": [dataclasses.asdict(s) for s in self.stacks],
             "chosen": None if self.chosen is None else dataclasses.asdict(self.chosen),
             "rows": [dataclasses.asdict(r) for r in self.rows]}
 
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any],
+                remats: Mapping[str, Mapping[str, Any]]) -> "RematReport":
+    """The report :meth:`to_json` wrote (``remats`` are not written)."""
+    rows = tuple(ReportRow(**r) for r in data["rows"])
+    chosen = data.get("chosen")
+    chosen_row = None if chosen is None else next(
+        r for r in rows if dict(r.plan) == chosen["plan"])
+    stacks = tuple(StackInfo(s["key"], s["num_layers"], tuple(s["tagged_names"]))
+                   for s in data["stacks"])
+    return cls(stacks=stacks, rows=rows, compile_seconds=data["compile_seconds"],
+               remats=remats, budget=data["budget_bytes"], chosen=chosen_row,
+               compiles=data["compiles"], rest_bytes=data["rest_bytes"],
+               seconds=data["seconds"], decision=data["decision"])
 
-def _cost(compiled: Any) -> tuple[float, float]:
+
+# ---------------------------------------------------------------------------
+# Compiling and timing one plan.
+
+
+@dataclasses.dataclass
+class Compiled:
+  """A plan compiled: the executable and what XLA says of it."""
+
+  executable: Any
+  temp_bytes: int
+  xla_flops: float
+  bytes_accessed: float
+
+
+#: Compiler options for a compile that only reads the memory: buffer
+#: assignment, which decides the temp bytes, runs before code generation, so
+#: the backend's optimisation of the generated code can be skipped (about
+#: half the compile time on a CPU; the executable is not timed).
+MEMORY_ONLY = {"xla_backend_optimization_level": 0,
+               "xla_llvm_disable_expensive_passes": True}
+
+
+def compile_plan(step_fn: Callable[..., Any], args: Sequence[Any],
+                 choice: Mapping[str, Any], *, memory_only: bool = False) -> Compiled:
+  """Compiles ``step_fn`` with its stacks running ``choice``."""
+  lowered = jax.jit(under(Fixed(choice), step_fn)).lower(*args)
+  compiled = None
+  if memory_only:
+    try:
+      compiled = lowered.compile(MEMORY_ONLY)
+    except Exception:  # pylint: disable=broad-except
+      compiled = None   # a backend without the option: compile as usual
+  if compiled is None:
+    compiled = lowered.compile()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):   # older JAX: one dict per program
     cost = cost[0] if cost else {}
   cost = cost or {}
-  return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  return Compiled(compiled, int(compiled.memory_analysis().temp_size_in_bytes),
+                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
 
 
-def _median_time(compiled: Any, args: Sequence[Any], repeats: int) -> float:
-  jax.block_until_ready(compiled(*args))   # warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+def time_runs(executables: Sequence[Any], args: Sequence[Any],
+              repeats: int) -> list[list[float]]:
+  """Seconds per run of each executable, ``repeats`` rounds, interleaved.
+
+  Each round runs every executable once, the order reversed every other
+  round, so that a drift in the machine's load falls on all of them.
+  """
+  runs: list[list[float]] = [[] for _ in executables]
+  order = list(range(len(executables)))
+  for r in range(repeats):
+    for i in (order if r % 2 == 0 else order[::-1]):
+      start = time.perf_counter()
+      jax.block_until_ready(executables[i](*args))
+      runs[i].append(time.perf_counter() - start)
+  return runs
 
 
 def _restrict(found: dict[str, Any], only: Optional[Sequence[str]],
@@ -395,7 +544,7 @@ def _joint_plans(per_stack: Mapping[str, Mapping[str, Any]]) -> list[dict[str, s
   if total <= MAX_JOINT_PLANS:
     return [dict(zip(keys, labels))
             for labels in itertools.product(*(list(per_stack[k]) for k in keys))]
-  # Too many to compile: every stack takes the same label where it has it,
+  # Too many to weigh: every stack takes the same label where it has it,
   # falling back to "full".
   labels = dict.fromkeys(label for k in keys for label in per_stack[k])
   return [{k: label if label in per_stack[k] else "full" for k in keys}
@@ -425,24 +574,127 @@ def _check_known(only: Optional[Sequence[str]],
 
 
 def _check_measurable(args: Sequence[Any]) -> None:
-  """``measure=True`` runs each candidate: every argument must be an array."""
+  """``measure=True`` runs candidates: every argument must be an array."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
     if isinstance(leaf, jax.ShapeDtypeStruct):
       raise ValueError(
-          f"{_checks.where()}measure=True runs every candidate, but "
+          f"{_checks.where()}measure=True runs the candidates it times, but "
           f"{_checks.path_str('args', path)} is a jax.ShapeDtypeStruct "
           f"{leaf.dtype}{list(leaf.shape)}, which cannot be run: pass arrays, or "
-          "measure=False to choose by FLOPs from the compiled programs alone.")
+          "measure=False to choose by FLOPs without running anything.")
+
+
+class Plans:
+  """Every joint plan of a step, predicted, and compiled where asked.
+
+  The working state of a report: :func:`build` and the planner (plan.py)
+  compile and time plans through it, then :meth:`report` freezes it.
+  """
+
+  def __init__(self, step_fn: Callable[..., Any], args: Sequence[Any],
+               traced: Traced, *, offload: Optional[bool],
+               only: Optional[Sequence[str]]):
+    self.step_fn, self.args, self.traced = step_fn, tuple(args), traced
+    if offload is None:
+      offload = host_memory_available()
+    found = {s.key: candidates(s, offload=offload) for s in traced.stacks}
+    self.remats = {key: _restrict(f, only, key) for key, f in found.items()}
+    _check_known(only, found)
+    self.plans = _joint_plans(self.remats)
+    self.compiled: dict[int, Compiled] = {}
+    self.compile_times: dict[int, float] = {}
+    self.times: dict[int, list[float]] = {}
+    self.rest = 0
+    self.compile_seconds = 0.0
+    host_is_device = jax.default_backend() == "cpu"
+    self.predicted = [
+        _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
+                       host_is_device=host_is_device) for plan in self.plans]
+
+  def _all_full(self) -> Optional[int]:
+    for i, plan in enumerate(self.plans):
+      if all(label == REFERENCE for label in plan.values()):
+        return i
+    return None
+
+  def choice(self, plan: Mapping[str, str]) -> dict[str, Any]:
+    return {k: self.remats[k][label] for k, label in plan.items()}
+
+  def reference(self) -> int:
+    """The plan compiled first: every stack ``"full"`` where a candidate,
+    else the plan predicted to keep the fewest bytes."""
+    full = self._all_full()
+    if full is not None:
+      return full
+    return min(range(len(self.plans)),
+               key=lambda i: (self.predicted[i].saved_bytes, self.predicted[i].flops, i))
+
+  def temp(self, i: int) -> int:
+    """Plan ``i``'s compiled temp bytes, else the calibrated prediction."""
+    if i in self.compiled:
+      return self.compiled[i].temp_bytes
+    return self.predicted[i].temp_bytes + self.rest
+
+  def compile(self, i: int, *, memory_only: bool = False) -> Compiled:
+    """Compiles plan ``i`` (once; a memory-only compile is redone to time it)."""
+    known = self.compiled.get(i)
+    if known is not None and (memory_only or known.executable is not None):
+      return known
+    start = time.perf_counter()
+    compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
+                            memory_only=memory_only)
+    if memory_only:
+      compiled.executable = None   # not to be timed
+    self.compile_times[i] = time.perf_counter() - start
+    self.compile_seconds += self.compile_times[i]
+    if not self.compiled:   # the first compile calibrates every prediction
+      self.rest = compiled.temp_bytes - self.predicted[i].temp_bytes
+    self.compiled[i] = compiled
+    return compiled
+
+  def time(self, indices: Sequence[int], repeats: int) -> None:
+    """Times plans (compiling them for speed first), interleaved."""
+    executables = [self.compile(i).executable for i in indices]
+    start = time.perf_counter()
+    for i, runs in zip(indices, time_runs(executables, self.args, repeats)):
+      self.times[i] = self.times.get(i, []) + runs
+    self.compile_seconds += time.perf_counter() - start
+
+  def row(self, i: int) -> ReportRow:
+    p, c = self.predicted[i], self.compiled.get(i)
+    return ReportRow(
+        plan=self.plans[i], predicted_temp_bytes=p.temp_bytes + self.rest,
+        saved_bytes=p.saved_bytes, flops=p.flops,
+        temp_bytes=None if c is None else c.temp_bytes,
+        xla_flops=None if c is None else c.xla_flops,
+        bytes_accessed=None if c is None else c.bytes_accessed,
+        step_time_s=min(self.times[i]) if i in self.times else None)
+
+  def report(self, *, budget: Optional[int], chosen: Optional[int] = None,
+             decision: str = "", seconds: float = 0.0) -> RematReport:
+    rows = tuple(self.row(i) for i in range(len(self.plans)))
+    return RematReport(
+        stacks=self.traced.stacks, rows=rows, compile_seconds=self.compile_seconds,
+        remats=self.remats, budget=budget,
+        chosen=None if chosen is None else rows[chosen], compiles=len(self.compiled),
+        rest_bytes=self.rest, seconds=seconds, decision=decision)
 
 
 def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
-                 repeats: int = 5, offload: Optional[bool] = None,
+                 repeats: int = 3, offload: Optional[bool] = None,
                  only: Optional[Sequence[str]] = None,
-                 budget: Union[int, str, None] = None) -> RematReport:
-  """Compiles ``step_fn`` once per candidate plan and reports each one's cost.
+                 budget: Union[int, str, None] = None,
+                 compile_all: bool = False) -> RematReport:
+  """Predicts every candidate plan's cost; compiles one, or a few, or all.
 
   ``step_fn``'s stacks are built with ``remat="auto"``; they are found by
-  tracing it, with the names their blocks tag.
+  tracing it, with the names their blocks tag. Every plan's temp memory,
+  saved bytes and FLOPs are predicted from that trace; the plan that runs
+  every stack ``"full"`` is compiled to learn what the step holds besides
+  its stacks. With a ``budget``, the plans :func:`stacktools.plan_remat`
+  would compile and time are compiled and timed too, and its choice is
+  marked. The table shows predicted and compiled temp memory side by side,
+  with the prediction's error.
 
   Example::
 
@@ -459,22 +711,25 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
 
     report = st.remat_report(train_step, params, batch,
                              only=["full", "nested", "save:mlp_hidden"])  # or every candidate
-    print(report)        # plan, temp MiB, GFLOPs, XLA's cost analysis
+    print(report)        # plan, predicted and compiled MiB, error, GFLOPs
 
   Args:
     step_fn: the function to plan, e.g. a training step (not jitted, or
       jitted: it is traced again under each plan).
     *args: its arguments: arrays, or ``jax.ShapeDtypeStruct`` when
       ``measure=False``.
-    measure: also run each compiled candidate and record the median of
-      ``repeats`` step times.
-    repeats: timed runs per candidate, after one warm-up run.
+    measure: time the plans compiled to be timed (all of them with
+      ``compile_all=True``, within ``budget`` if given): the fastest of
+      ``repeats`` runs.
+    repeats: timed runs per timed plan.
     offload: include ``"offload"``; by default where the backend has pinned
       host memory.
-    only: compile only the candidates with these labels (``"full"``,
-      ``"save:mlp_hidden"``, ``"none:16,full:48"``, ...), to plan faster.
-    budget: bytes or e.g. ``"48MiB"``; rows over it are marked, and with
-      ``measure=True`` only the plans within it are timed.
+    only: consider only the candidates with these labels (``"full"``,
+      ``"save:mlp_hidden"``, ``"none:16,full:48"``, ...).
+    budget: bytes or e.g. ``"48MiB"``: rows over it are marked, and the plan
+      :func:`stacktools.plan_remat` chooses under it is made and marked.
+    compile_all: compile every plan (and with ``measure=True`` time those
+      within ``budget``), to check the predictions: one compile per plan.
 
   Returns:
     The report.
@@ -484,36 +739,30 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
       ``measure=True`` with ``jax.ShapeDtypeStruct`` arguments.
   """
   with _checks.subject("st.remat_report"):
+    if budget is not None and not compile_all:
+      # plan.py builds on this module; imported where a choice is asked for.
+      from stacktools import plan as plan_lib  # pylint: disable=g-import-not-at-top
+      return plan_lib.choose(step_fn, *args, budget=budget, measure=measure,
+                             repeats=repeats, offload=offload, only=only)
     return build(step_fn, *args, measure=measure, repeats=repeats, offload=offload,
-                 only=only, budget=budget)
+                 only=only, budget=budget, compile_all=compile_all)
 
 
 def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
           offload: Optional[bool], only: Optional[Sequence[str]],
-          budget: Union[int, str, None]) -> RematReport:
-  """:func:`remat_report`, its mistakes named after the caller's subject."""
+          budget: Union[int, str, None], compile_all: bool) -> RematReport:
+  """:func:`remat_report` without a choice, its mistakes named after the
+  caller's subject: the reference compiled, or every plan."""
+  start = time.perf_counter()
   if measure:
     _check_measurable(args)
-  stacks = discover(step_fn, *args)
-  if offload is None:
-    offload = host_memory_available()
-  found = {s.key: candidates(s, offload=offload) for s in stacks}
-  per_stack = {key: _restrict(f, only, key) for key, f in found.items()}
-  _check_known(only, found)
+  plans = Plans(step_fn, args, trace(step_fn, *args), offload=offload, only=only)
   budget_bytes = None if budget is None else parse_bytes(budget)
-  rows, start = [], time.perf_counter()
-  for plan in _joint_plans(per_stack):
-    choice = {k: per_stack[k][label] for k, label in plan.items()}
-    planned = under(Fixed(choice), step_fn)
-    compiled = jax.jit(planned).lower(*args).compile()
-    xla_flops, accessed = _cost(compiled)
-    temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
-    timed = measure and (budget_bytes is None or temp_bytes <= budget_bytes)
-    step_time = _median_time(compiled, args, repeats) if timed else None
-    rows.append(ReportRow(plan=plan, flops=_costs.flops(planned, *args),
-                          xla_flops=xla_flops, bytes_accessed=accessed,
-                          temp_bytes=temp_bytes,
-                          step_time_s=step_time))
-  return RematReport(stacks=stacks, rows=tuple(rows), remats=per_stack,
-                     budget=budget_bytes,
-                     compile_seconds=time.perf_counter() - start)
+  order = [plans.reference()]
+  if compile_all:
+    order += [i for i in range(len(plans.plans)) if i != order[0]]
+  for i in order:
+    compiled = plans.compile(i)
+    if measure and (budget_bytes is None or compiled.temp_bytes <= budget_bytes):
+      plans.time([i], repeats)
+  return plans.report(budget=budget_bytes, seconds=time.perf_counter() - start)

@@ -157,11 +157,13 @@ def test_remat_plan_quick(tmp_path):
   labels = {c["label"] for c in depth["candidates"]}
   assert labels == {"none", "full", "none:1,full:1"}
   for cand in depth["candidates"]:
-    # The report's temp bytes equal an independent compile with remat=<candidate>.
-    assert cand["temp_bytes"] == cand["report_temp_bytes"], cand["label"]
-    for key in ("temp_bytes", "flops", "report_step_s", "compile_s", "median_s"):
+    for key in ("temp_bytes", "predicted_temp_bytes", "flops", "compile_s", "median_s"):
       assert _positive_number(cand[key]), (cand["label"], key)
+    assert cand["temp_error"] == pytest.approx(
+        cand["predicted_temp_bytes"] / cand["temp_bytes"] - 1)
     assert len(cand["wall_s"]) == len(cand["cpu_s"]) == result["config"]["rounds"]
+  # The prediction is calibrated on full's compile.
+  assert next(c for c in depth["candidates"] if c["label"] == "full")["temp_error"] == 0
   temp = {c["label"]: c["temp_bytes"] for c in depth["candidates"]}
   # A mix pays a seam's copy of the per-layer inputs, which can put it above
   # both of its policies now that none recomputes elementwise values.
@@ -182,11 +184,14 @@ def test_remat_plan_quick(tmp_path):
     assert b["ratio_ci95"][0] <= b["ratio"] <= b["ratio_ci95"][1]
     assert _positive_number(b["copy_ratio"]) and b["verdict"] in (
         "met", "missed, within noise", "missed")
+    # Planned in a few compiles, then remembered.
+    assert 1 <= b["compiles"] <= 3 and _positive_number(b["planning_seconds"])
+    assert b["reused"] and b["reused_same_plan"] and b["reuse_seconds"] < b["planning_seconds"]
   # The chosen step, compiled explicitly and under the plan, timed side by side.
   assert set(depth["identical_programs"]) == {b["chosen"] for b in budgets}
   assert all(_positive_number(c["ratio"]) for c in depth["identical_programs"].values())
   planning = depth["planning"]
-  for key in ("report_seconds", "compile_all_seconds", "one_compile_seconds"):
+  for key in ("predict_seconds", "compile_all_seconds", "one_compile_seconds"):
     assert _positive_number(planning[key]), key
   assert planning["candidates"] == 3
   assert result["summary"]["all_within_budget"] is True

@@ -89,9 +89,12 @@ def _driver_specs(tmp: str, data_path: str) -> list[list[dict]]:
                    save_names=["attn_out", "mlp_hidden"]))
   fold.append(spec("per_depth", remat="none:1,full:1", block="fold"))
   # Two candidates keep the planning short; the planner itself is tested in
-  # remat_plan_test.py with every kind of candidate.
-  fold.append(spec("auto", remat="auto", block="fold", memory_budget="64MiB",
-                   remat_candidates=["full", "none:1,full:1"]))
+  # remat_plan_test.py and remat_model_test.py with every kind of candidate.
+  # Stopped and resumed: the resumed run reuses the plan from the workdir.
+  auto = dict(remat="auto", block="fold", memory_budget="64MiB",
+              remat_candidates=["full", "none:1,full:1"])
+  fold.append(spec("auto", stop_after=10, **auto))
+  fold.append(spec("auto", resume=True, **auto))
   scan = [spec(_run_name(r, "scan"), remat=r, block="scan") for r in REMATS]
   # Run A of the resume test is "full-scan": 20 steps straight.
   scan.append(spec("resume", remat="full", block="scan", stop_after=10))
@@ -588,15 +591,25 @@ def test_per_depth_and_auto_remat_train_like_none(drivers):
     np.testing.assert_allclose(train_losses(drivers.workdir(name)), reference,
                                rtol=1e-4, err_msg=name)
   assert "remat=per_depth(none:1,full:1)" in drivers.run("per_depth")["log"]
-  log = drivers.run("auto")["log"]
-  assert "remat report: 2 candidate plans" in log and "Remat plan:" in log, log
+  first, resumed = drivers.run("auto", 0)["log"], drivers.run("auto", 1)["log"]
+  assert "remat report: 2 candidate plans" in first and "Remat plan:" in first, first
+  planned = float(first.split("Planning took ", 1)[1].split(" s", 1)[0])
+  # The resumed run reads the plan the first one remembered in the workdir.
+  assert "remat report" not in resumed, resumed
+  reuse = resumed.split("Remat plan reused from ", 1)[1]
+  assert reuse.startswith(os.path.join(drivers.workdir("auto"), "remat_plan-")), reuse
+  assert float(reuse.split(" in ", 1)[1].split(" s", 1)[0]) < planned
+  assert first.split("Remat plan: ", 1)[1].split("\n")[0] == (
+      resumed.split("Remat plan: ", 1)[1].split("\n")[0])
   with open(os.path.join(drivers.workdir("auto"), "remat_plan.json"), encoding="utf-8") as f:
     plan = json.load(f)
+  assert plan["reused"]
   chosen = plan["report"]["chosen"]
   assert plan["plan"] == chosen["plan"]
   assert chosen["temp_bytes"] <= plan["report"]["budget_bytes"] == 64 * 2**20
-  # The step that trains is the chosen candidate's.
-  assert compiled_temp_mib(log) == pytest.approx(chosen["temp_bytes"] / 2**20, abs=0.01)
+  # The step that trains is the chosen candidate's, in both runs.
+  for log in (first, resumed):
+    assert compiled_temp_mib(log) == pytest.approx(chosen["temp_bytes"] / 2**20, abs=0.01)
 
 
 def test_stacked_and_blockseq_give_the_same_losses(drivers):

@@ -96,8 +96,8 @@ def test_only_label_of_another_stack_is_kept():
 ])
 def test_measure_needs_arrays(call, subject):
   shapes = (jax.ShapeDtypeStruct(C.shape, C.dtype),)
-  with pytest.raises(ValueError, match=rf"^{subject}: measure=True runs every "
-                     r"candidate, but args\[0\] is a jax.ShapeDtypeStruct.*"
+  with pytest.raises(ValueError, match=rf"^{subject}: measure=True runs the "
+                     r"candidates it times, but args\[0\] is a jax.ShapeDtypeStruct.*"
                      r"pass arrays, or measure=False"):
     call(shapes)
 

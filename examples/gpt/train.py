@@ -19,8 +19,9 @@ Logs step, train and validation loss, tokens/s and step time (of training
 alone: evaluation and checkpoints are left out), and at start-up the compiled
 temp memory of the train step (which is what --remat changes).
 Writes metrics.jsonl and loss.png (with matplotlib installed) to --workdir,
-each atomically (with --remat=auto also remat_plan.json: the report of every
-candidate and the chosen plan), and Orbax checkpoints to --workdir/checkpoints/<step>/
+each atomically (with --remat=auto also remat_plan.json, the report of every
+candidate and the chosen plan, and remat_plan-<hash>.json, the plan that a
+--resume or rerun reuses), and Orbax checkpoints to --workdir/checkpoints/<step>/
 (every --checkpoint_every steps and at the end, asynchronously, each process
 its own shards, the last --keep_checkpoints kept); a start removes what a
 killed run's writes left there. --export_npz also writes the final parameters
@@ -494,36 +495,49 @@ def make_train_step(model: hk.Transformed,
 def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
                params: Any, opt_state: Any, batch: jax.Array, workdir: str,
                is_chief: bool) -> model_lib.GPTConfig:
-  """--remat=auto: the fastest plan within --memory_budget, logged and saved.
+  """--remat=auto: the plan chosen within --memory_budget, logged and saved.
 
-  Every candidate train step is compiled and timed once (see
-  st.plan_remat); the report and the chosen plan go to the log and to
-  remat_plan.json in the workdir. A budget no candidate meets stops here.
+  Every candidate is predicted from one trace of the train step; a few are
+  compiled and two timed (see st.plan_remat). The plan is remembered in the
+  workdir, so a --resume or a rerun with the same flags reuses it after one
+  trace. The report and the chosen plan go to the log and to remat_plan.json
+  in the workdir. A budget no candidate meets stops here.
 
   Returns:
     ``cfg`` with the chosen remat in place of "auto".
   """
   model = transform(cfg)
-  logging.info("Planning --remat=auto within --memory_budget=%s: compiling and "
-               "timing every candidate.", _MEMORY_BUDGET.value)
-  start = time.perf_counter()
+  logging.info("Planning --remat=auto within --memory_budget=%s.", _MEMORY_BUDGET.value)
   try:
     plan = st.plan_remat(make_train_step(model, optimizer), params, opt_state, batch,
-                         budget=_MEMORY_BUDGET.value, repeats=3,
-                         only=_REMAT_CANDIDATES.value)
+                         budget=_MEMORY_BUDGET.value, only=_REMAT_CANDIDATES.value,
+                         cache_dir=workdir)
   except ValueError as e:
     # What the planner says of only= is about the labels, --remat_candidates;
     # the rest is about the budget.
     flag = (f"--remat_candidates={' '.join(_REMAT_CANDIDATES.value)!r}"
             if "only=" in str(e) else f"--memory_budget={_MEMORY_BUDGET.value}")
     sys.exit(f"error: {flag}: {e}")
-  (chosen,) = plan.choice.values()   # the model has one stack
-  logging.info("%s", plan.report)
-  logging.info("Planning took %.1f s for %d candidates (compiling them: %.1f s).",
-               time.perf_counter() - start, len(plan.report.rows),
-               plan.report.compile_seconds)
-  logging.info("Remat plan: %s (%s).", remat_text(chosen),
-               ", ".join(f"{k}={v}" for k, v in plan.labels.items()))
+  labels = dict(plan.labels)
+  if jax.process_count() > 1:
+    # Each process plans (or reads a remembered plan) itself, and timing can
+    # call a close race either way: every process runs the chief's plan.
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    plans = [dict(r.plan) for r in plan.report.rows]
+    labels = plans[int(multihost_utils.broadcast_one_to_all(
+        np.int32(plans.index(labels))))]
+  ((key, label),) = labels.items()   # the model has one stack
+  chosen = plan.report.remats[key][label]
+  if plan.reused:
+    logging.info("Remat plan reused from %s in %.2f s (planned earlier in %.1f s with "
+                 "%d compiles).", plan.cache_path, plan.seconds, plan.report.seconds,
+                 plan.report.compiles)
+  else:
+    logging.info("%s", plan.report)
+    logging.info("Planning took %.1f s for %d candidates, %d compiled (compiling and "
+                 "timing: %.1f s).", plan.seconds, len(plan.report.rows),
+                 plan.report.compiles, plan.report.compile_seconds)
+  logging.info("Remat plan: %s (%s=%s).", remat_text(chosen), key, label)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     text = json.dumps(plan.to_json(), indent=1, default=str)
