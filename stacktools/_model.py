@@ -207,20 +207,33 @@ class StackModel:
       kept = self.num_layers * (self.input_bytes + self.largest_input_leaf)
     for count, policy in parts:
       if policy.nested:
-        # As the engine splits it (loops.plan_for gives it these sizes).
-        outer, inner, rem = policy_lib.split_nested(
-            count, policy.nested, carry_bytes=self.carry_bytes or 1,
-            layer_bytes=self.input_bytes, largest_leaf_bytes=self.largest_input_leaf)
         layer = self.layer_cost(policy.inner())
-        flops += count * (layer.flops + layer.forward_flops)
-        longest = max(inner, rem)
-        # While one chunk is differentiated: its residuals, its slice of the
-        # inputs and their gradient; a remainder pads a leaf's gradient.
-        transient = longest * (layer.kept + 2 * self.input_bytes)
-        transient += (rem > 0) * count * self.largest_input_leaf
-        kept += (outer + (rem > 0)) * self.carry_bytes
-        peak = max(peak, kept + transient)
         host += count * layer.host
+        if policy.save_carries == "offload":
+          # Chunks under jax.checkpoint (loops._Runner._nested), split as
+          # segments.plan_loop splits them: each chunk copies its slice of
+          # the inputs and their gradient; a remainder pads a leaf's gradient.
+          outer, inner, rem = policy_lib.split_nested(
+              count, policy.nested, carry_bytes=self.carry_bytes or 1,
+              layer_bytes=self.input_bytes, largest_leaf_bytes=self.largest_input_leaf)
+          flops += count * (layer.flops + layer.forward_flops)
+          longest = max(inner, rem)
+          transient = longest * (layer.kept + 2 * self.input_bytes)
+          transient += (rem > 0) * count * self.largest_input_leaf
+          kept += (outer + (rem > 0)) * self.carry_bytes
+          peak = max(peak, kept + transient)
+          continue
+        # The engine's own backward pass (stacktools/_nested.py): carries
+        # alone; each level but the innermost keeps one carry per chunk, and
+        # each level runs the forward pass once more (the forward, each
+        # level's recomputation, then each step's own jax.vjp).
+        *sizes, rem = policy_lib.split_nested(count, policy.nested,
+                                              carry_bytes=self.carry_bytes or 1)
+        levels = len(sizes)
+        flops += count * (layer.flops + levels * layer.forward_flops)
+        kept += (sum(sizes[:-1]) + (rem > 0)) * self.carry_bytes
+        transient = max(sizes[-1], rem) * self.carry_bytes + layer.kept
+        peak = max(peak, kept + transient)
       else:
         layer = self.layer_cost(policy)
         flops += count * layer.flops

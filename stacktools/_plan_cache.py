@@ -86,9 +86,9 @@ class PlanCache:
 
   Example::
 
-    cache = PlanCache.at("/tmp/plans")     # or None: no folder, no cache
-    entry = cache.load(plan_key)           # None on a miss
-    cache.store(plan_key, {"labels": ..., "report": ...})
+    import tempfile
+    cache = PlanCache.at(tempfile.mkdtemp())   # or None: no folder, no cache
+    assert cache.load({"step": "abc"}) is None   # a miss; store(key, entry) fills it
   """
 
   def __init__(self, folder: str):

@@ -256,7 +256,8 @@ def test_report_rows_and_table(one_stack_report):
 def test_report_marks_a_mix_above_both_of_its_policies():
   # Hand-made rows: the mark follows from the numbers alone.
   def row(label, temp):
-    return report_lib.ReportRow({"h": label}, temp, flops=1.0, xla_flops=1.0,
+    return report_lib.ReportRow({"h": label}, predicted_temp_bytes=temp, saved_bytes=temp,
+                                flops=1.0, temp_bytes=temp, xla_flops=1.0,
                                 bytes_accessed=1.0)
   rows = (row("none", 100), row("full", 50), row("nested", 30),
           row("none:3,full:3", 120), row("full:3,nested:3", 40))
