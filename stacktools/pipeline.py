@@ -159,17 +159,14 @@ class Pipeline:
           f"multiple of {chunks}, or change the {self.axis!r} axis size or "
           f"repeats (with repeats={self.repeats}, stages x repeats may be "
           f"{fits}).")
-    if self.schedule == "circular" and self.microbatches < stages:
+    # Why each schedule needs a microbatch per stage at least.
+    why = {"circular": "a microbatch must be back at the first stage before its next repeat",
+           "1f1b": "its steady state runs one forward and one backward per stage"}
+    if self.schedule in why and self.microbatches < stages:
       raise ValueError(
-          f"{_checks.where()}a circular schedule needs at least as many microbatches as "
-          f"stages (a microbatch must be back at the first stage before its next "
-          f"repeat), got microbatches={self.microbatches} for {stages} stages. "
-          f"Use microbatches >= {stages}, or schedule='gpipe'.")
-    if self.schedule == "1f1b" and self.microbatches < stages:
-      raise ValueError(
-          f"{_checks.where()}a 1f1b schedule needs at least as many microbatches as "
-          f"stages (its steady state runs one forward and one backward per stage), "
-          f"got microbatches={self.microbatches} for {stages} stages. Use "
+          f"{_checks.where()}a {self.schedule} schedule needs at least as many "
+          f"microbatches as stages ({why[self.schedule]}), got "
+          f"microbatches={self.microbatches} for {stages} stages. Use "
           f"microbatches >= {stages}, or schedule='gpipe'.")
     return num_layers // chunks
 
