@@ -135,8 +135,11 @@ def test_every_plan_computes_the_uncheckpointed_step():
   want = _python_grads(c, ws)
   for label, remat in report_lib.candidates(report_lib.discover(step, c, ws)[0]).items():
     got = jax.jit(report_lib.under(report_lib.Fixed({"loop_0": remat}), step))(c, ws)
+    # The reference runs op by op and the step compiled: float32 sums fused
+    # in another order differ by a few parts in 1e5 (up to 4e-5 relative on
+    # jax 0.12). A wrong plan is off by far more than this.
     for g, w in zip(got, want):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=label)
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=label)
 
 
 # ---------------------------------------------------------------------------
