@@ -2,6 +2,13 @@
 
 import setuptools
 
+
+def _requirements(path: str) -> list[str]:
+  """The requirement lines of ``path`` (comments and blank lines left out)."""
+  with open(path, encoding="utf-8") as f:
+    return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
 # The range the example's checkpoint code and its tests have passed with.
 ORBAX = "orbax-checkpoint>=0.12.8,<0.13"
 
@@ -34,7 +41,6 @@ setuptools.setup(
         "test": ["pytest>=8", ORBAX],
         "plot": ["matplotlib>=3.7"],
         # The docs site (mkdocs.yml): `mkdocs build --strict`, `mkdocs serve`.
-        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10",
-                 "mkdocstrings[python]>=0.27,<2", "mkdocstrings-python>=1.12,<3"],
+        "docs": _requirements("docs/requirements.txt"),
     },
 )

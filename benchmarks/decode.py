@@ -22,6 +22,14 @@ memory with the cache donated, and how the peak (arguments + outputs -
 aliased + temp) of ``in_place`` grows from batch 1 to batch 16, against the
 cache's own growth.
 
+Last, ``in_place`` and the floor again in a child process whose XLA:CPU
+orders each program for memory rather than for concurrency
+(:data:`MEMORY_SCHEDULER`, a process-wide flag): its temp memory and its time
+over its own floor. XLA:CPU's default scheduler starts every weight's slice
+of the layer at the top of the loop body, so that independent work can run
+at once, and keeps their buffers apart; at batch 1 those copies, not the
+cache, are most of the temp memory.
+
   python benchmarks/decode.py            # full run, about 4 minutes on 2 cores
   python benchmarks/decode.py --quick    # seconds (the smoke test)
 
@@ -34,6 +42,9 @@ Writes ``benchmarks/results/decode.json`` and ``decode.png``.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +57,8 @@ if __package__ in (None, ""):
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import argparse
+
 import numpy as np
 
 import stacktools as st
@@ -61,6 +74,12 @@ CONTENDERS = CACHED + ("recompute", "floor")
 QUICK = ["--num_layers", "2", "--d_model", "32", "--num_heads", "2", "--vocab_size", "16",
          "--seq_lens", "32,64", "--batches", "1,2", "--rounds", "2", "--calls", "2",
          "--memory_seq_len", "64", "--peak_batches", "1,4"]
+#: XLA:CPU's memory-first scheduling: it reuses one buffer for the weight
+#: slices of a layer instead of holding all of them at once. It is read from
+#: ``XLA_FLAGS`` only (``compile(compiler_options=...)`` leaves it as it is).
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+#: What the child process run under :data:`MEMORY_SCHEDULER` measures.
+MEMORY_ORDERED = ("in_place", "floor")
 #: The T whose figures the summary and the README quote (the largest measured
 #: when it is not among them).
 QUOTED_T = 1024
@@ -81,13 +100,16 @@ def build_parser():
   p.add_argument("--memory_seq_len", type=int, default=1024,
                  help="T of the peak-memory comparison across batches")
   p.add_argument("--peak_batches", type=harness.int_list, default=[1, 16])
+  p.add_argument("--memory_ordered_child", action="store_true",
+                 help=argparse.SUPPRESS)   # the child of memory_ordered(): JSON on stdout
   return p
 
 
 class Point:
   """The contenders at one (batch, T): compiled, with their inputs."""
 
-  def __init__(self, args, batch: int, seq_len: int, options):
+  def __init__(self, args, batch: int, seq_len: int, options,
+               names: tuple[str, ...] = CONTENDERS):
     base = dict(vocab_size=args.vocab_size, seq_len=seq_len, num_layers=args.num_layers,
                 num_heads=args.num_heads, d_model=args.d_model)
     cfg = model_lib.GPTConfig(**base)
@@ -111,16 +133,20 @@ class Point:
     self.compiled, self.memory = {}, {}
     cache = model_lib.init_cache(cfg, batch)
     for name, model in models.items():
+      if name not in names:
+        continue
       lowered = jax.jit(model.apply, donate_argnums=2).lower(
           self.params[name], token, cache, self.pos)
       self.compiled[name] = lowered.compile(compiler_options=options)
       self.memory[name] = memory_of(self.compiled[name])
-    self.compiled["recompute"] = jax.jit(forward.apply).lower(
-        params, self.tokens).compile(compiler_options=options)
+    if "recompute" in names:
+      self.compiled["recompute"] = jax.jit(forward.apply).lower(
+          params, self.tokens).compile(compiler_options=options)
     self.compiled["floor"] = jax.jit(lambda p, c: sum(
         jnp.sum(a) for a in jax.tree.leaves((p, c)))).lower(params, cache).compile(
             compiler_options=options)
-    self.caches = {name: model_lib.init_cache(cfg, batch) for name in CACHED}
+    self.caches = {name: model_lib.init_cache(cfg, batch)
+                   for name in CACHED if name in names}
     self.floor_cache = model_lib.init_cache(cfg, batch)
     self.token = token
 
@@ -147,16 +173,14 @@ def memory_of(compiled) -> dict[str, int]:
           "alias_bytes": int(m.alias_size_in_bytes)}
 
 
-def measure(point: Point, args) -> dict[str, float]:
-  """ms per call of every contender: the median over rounds."""
-  for name in CONTENDERS:   # warm: the first call of each
+def measure(point: Point, args,
+            names: tuple[str, ...] = CONTENDERS) -> dict[str, float]:
+  """ms per call of each of ``names``: the median over rounds."""
+  for name in names:   # warm: the first call of each
     instruments.block(point.call(name))
-  # The in-place and sliced forms give the same logits (same cache, same step).
-  same = float(np.max(np.abs(np.asarray(point.call("in_place"))
-                             - np.asarray(point.call("sliced")))))
-  times = {name: [] for name in CONTENDERS}
+  times = {name: [] for name in names}
   for r in range(args.rounds):
-    order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
+    order = names[r % len(names):] + names[:r % len(names)]
     for name in order:
       calls = 1 if name == "recompute" else args.calls
       start = time.perf_counter()
@@ -164,9 +188,39 @@ def measure(point: Point, args) -> dict[str, float]:
         out = point.call(name)
       instruments.block((out, point.caches))
       times[name].append((time.perf_counter() - start) / calls)
-  row = {f"{name}_ms": 1e3 * instruments.median(times[name]) for name in CONTENDERS}
-  row["in_place_vs_sliced_max_abs_diff"] = same
+  row = {f"{name}_ms": 1e3 * instruments.median(times[name]) for name in names}
+  if "sliced" in names:
+    # The in-place and sliced forms give the same logits (same cache, same step).
+    row["in_place_vs_sliced_max_abs_diff"] = float(np.max(np.abs(
+        np.asarray(point.call("in_place")) - np.asarray(point.call("sliced")))))
   return row
+
+
+def memory_ordered(argv: list[str]) -> list[dict[str, Any]]:
+  """``in_place`` and the floor at every (batch, T) of this command line
+  (``argv``), measured in a child process under :data:`MEMORY_SCHEDULER`:
+  ms per call and temp bytes."""
+  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " "
+                                     + MEMORY_SCHEDULER).strip()}
+  done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
+                         "--memory_ordered_child"],
+                        env=env, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f"the memory-ordered child process failed:\n{done.stderr}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def memory_ordered_child(args, options) -> None:
+  """The child's side of :func:`memory_ordered`: one JSON line on stdout."""
+  rows = []
+  for seq_len in args.seq_lens:
+    for batch in args.batches:
+      point = Point(args, batch, seq_len, options, names=MEMORY_ORDERED)
+      rows.append({"batch": batch, "seq_len": seq_len,
+                   **measure(point, args, names=MEMORY_ORDERED),
+                   "temp_bytes": point.memory["in_place"]["temp_bytes"]})
+      del point
+  print(json.dumps(rows))
 
 
 def peak_growth(args, options) -> dict[str, Any]:
@@ -194,7 +248,8 @@ def peak_growth(args, options) -> dict[str, Any]:
           "peak_growth_over_cache_growth": growth, "goal": 1.2, "met": growth <= 1.2}
 
 
-def summarise(rows: list[dict[str, Any]], peak: dict[str, Any]) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], peak: dict[str, Any],
+              ordered: list[dict[str, Any]]) -> dict[str, Any]:
   seq_lens = sorted({r["seq_len"] for r in rows})
   t = QUOTED_T if QUOTED_T in seq_lens else seq_lens[-1]
   summary = {"seq_len": t, "by_batch": {}}
@@ -202,6 +257,8 @@ def summarise(rows: list[dict[str, Any]], peak: dict[str, Any]) -> dict[str, Any
     if r["seq_len"] != t:
       continue
     in_place = r["in_place_ms"]
+    mine = next(o for o in ordered
+                if (o["batch"], o["seq_len"]) == (r["batch"], r["seq_len"]))
     summary["by_batch"][str(r["batch"])] = {
         "in_place_over_floor": in_place / r["floor_ms"],
         "sliced_over_in_place": r["sliced_ms"] / in_place,
@@ -209,6 +266,8 @@ def summarise(rows: list[dict[str, Any]], peak: dict[str, Any]) -> dict[str, Any
         "recompute_over_in_place": r["recompute_ms"] / in_place,
         "in_place_temp_over_cache": r["memory"]["in_place"]["temp_bytes"] / r["cache_bytes"],
         "sliced_temp_over_cache": r["memory"]["sliced"]["temp_bytes"] / r["cache_bytes"],
+        "memory_ordered_in_place_over_floor": mine["in_place_ms"] / mine["floor_ms"],
+        "memory_ordered_temp_over_cache": mine["temp_bytes"] / r["cache_bytes"],
     }
   by = summary["by_batch"]
   summary["goals"] = {
@@ -219,6 +278,8 @@ def summarise(rows: list[dict[str, Any]], peak: dict[str, Any]) -> dict[str, Any
           b["in_place_over_unrolled"] <= 1.15 for b in by.values()),
       "temp_at_most_0.15x_cache": all(b["in_place_temp_over_cache"] <= 0.15
                                       for b in by.values()),
+      "temp_at_most_0.15x_cache_memory_ordered": all(
+          b["memory_ordered_temp_over_cache"] <= 0.15 for b in by.values()),
       "peak_growth_at_most_1.2x_cache_growth": peak["met"],
   }
   return summary
@@ -228,18 +289,24 @@ def markdown(payload: dict[str, Any]) -> str:
   cfg = payload["config"]
   lines = [f"**One decode step, ms** (median of {cfg['rounds']} alternated rounds; "
            f"L={cfg['num_layers']}, d={cfg['d_model']}, H={cfg['num_heads']}, float32, "
-           "cache donated; temp: compiled temp memory over the cache's bytes):", "",
+           "cache donated; temp: compiled temp memory over the cache's bytes; "
+           f"memory-ordered: `XLA_FLAGS={MEMORY_SCHEDULER}`, in a child process, "
+           "over its own floor):", "",
            "| batch | T | floor | in_place | sliced (today) | unrolled | recompute | "
-           "in_place temp | sliced temp |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "in_place temp | sliced temp | memory-ordered in_place | its temp |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in payload["measurements"]:
     f = r["floor_ms"]
     cells = [f"{r[f'{n}_ms']:.1f} ({r[f'{n}_ms'] / f:.1f}x)"
              for n in ("in_place", "sliced", "unrolled", "recompute")]
     temps = [f"{r['memory'][n]['temp_bytes'] / r['cache_bytes']:.2f}x"
              for n in ("in_place", "sliced")]
+    mine = next(o for o in payload["memory_ordered"]
+                if (o["batch"], o["seq_len"]) == (r["batch"], r["seq_len"]))
+    ordered = (f"{mine['in_place_ms']:.1f} ({mine['in_place_ms'] / mine['floor_ms']:.1f}x) | "
+               f"{mine['temp_bytes'] / r['cache_bytes']:.2f}x")
     lines.append(f"| {r['batch']} | {r['seq_len']} | {f:.1f} | " + " | ".join(cells)
-                 + " | " + " | ".join(temps) + " |")
+                 + " | " + " | ".join(temps) + " | " + ordered + " |")
   peak = payload["peak"]
   b0, b1 = (str(b) for b in cfg["peak_batches"])
   lines += ["", f"Peak memory of the in-place step at T={peak['seq_len']}: batch {b0} "
@@ -283,6 +350,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   # --quick compiles with XLA's cheap settings: a smoke test checks that the
   # script runs, not how fast the code is.
   options = fast_compile.CODEGEN if args.quick else None
+  if args.memory_ordered_child:
+    memory_ordered_child(args, options)
+    return {}
+  ordered = memory_ordered(list(argv if argv is not None else sys.argv[1:]))
+  harness.log("memory-ordered child: " + ", ".join(
+      f"B={o['batch']} T={o['seq_len']} in_place {o['in_place_ms']:.2f} ms, "
+      f"temp {o['temp_bytes'] / 2**20:.1f} MiB" for o in ordered))
   rows = []
   for seq_len in args.seq_lens:
     for batch in args.batches:
@@ -305,7 +379,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                  "calls": args.calls, "peak_batches": args.peak_batches},
       "measurements": rows,
       "peak": peak,
-      "summary": summarise(rows, peak),
+      "memory_ordered": ordered,
+      "memory_scheduler_flag": MEMORY_SCHEDULER,
+      "summary": summarise(rows, peak, ordered),
       "seconds": time.perf_counter() - start,
   }
   return harness.publish(args, NAME, payload, markdown, draw)
