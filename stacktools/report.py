@@ -96,11 +96,16 @@ def format_bytes(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StackInfo:
-  """A stack found by tracing: its key, depth and the names its block tags."""
+  """A stack found by tracing: its key, depth and the names its block tags.
+
+  ``period`` is the layers in one step of its loop (a mixed-layer pattern's
+  length; 1 for a stack of one block): a nested split counts steps.
+  """
 
   key: str
   num_layers: int
   tagged_names: tuple[str, ...]
+  period: int = 1
 
 
 class _Keys:
@@ -124,12 +129,12 @@ class _Discovery:
     self.layers: dict[str, list[Any]] = {}
     self._keys = _Keys()
 
-  def remat_for(self, key, length, probe):
+  def remat_for(self, key, length, probe, period=1):
     key = self._keys(key)
     if key not in self.stacks:
       with _checks.recording_traces() as traces:   # one per kind of block
         tagged = sorted(probe() - set(policy_lib.RESERVED_NAMES))
-      self.stacks[key] = StackInfo(key, length, tuple(tagged))
+      self.stacks[key] = StackInfo(key, length, tuple(tagged), period)
       self.layers[key] = traces
     return policy_lib.REMAT_ALIASES[REFERENCE]
 
@@ -141,8 +146,8 @@ class Fixed:
     self.choice = choice
     self._keys = _Keys()
 
-  def remat_for(self, key, length, probe):
-    del length, probe
+  def remat_for(self, key, length, probe, period=1):
+    del length, probe, period
     key = self._keys(key)
     if key not in self.choice:
       raise ValueError(
@@ -217,6 +222,8 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
     # {"none": ..., "full": ..., ..., "save:mlp_hidden": ...,
     #  "none:2,full:6": per_depth(...), ...}
     assert {"full", "save:mlp_hidden", "none:2,full:6"} <= set(found)
+    deep = candidates(StackInfo("h", 64, ()))
+    assert deep["nested(4,4)"] == policy_lib.CheckpointPolicy(nested=(4, 4))
 
   Args:
     stack: the stack, as :func:`discover` found it.
@@ -229,6 +236,11 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
   for alias, policy in policy_lib.REMAT_ALIASES.items():
     if alias != "offload" or offload:
       out[alias] = policy
+  # A third level of nesting, where the loop is deep enough for it to keep
+  # fewer carries (it costs one more forward pass).
+  levels = policy_lib.three_levels(stack.num_layers // stack.period)
+  if levels is not None:
+    out["nested({},{})".format(*levels)] = policy_lib.CheckpointPolicy(nested=levels)
   for name in stack.tagged_names:
     out[f"save:{name}"] = policy_lib.CheckpointPolicy(save_block_internals=[name])
   if len(stack.tagged_names) > 1:
@@ -454,7 +466,8 @@ class RematReport:
     chosen = data.get("chosen")
     chosen_row = None if chosen is None else next(
         r for r in rows if dict(r.plan) == chosen["plan"])
-    stacks = tuple(StackInfo(s["key"], s["num_layers"], tuple(s["tagged_names"]))
+    stacks = tuple(StackInfo(s["key"], s["num_layers"], tuple(s["tagged_names"]),
+                             s.get("period", 1))
                    for s in data["stacks"])
     return cls(stacks=stacks, rows=rows, compile_seconds=data["compile_seconds"],
                remats=remats, budget=data["budget_bytes"], chosen=chosen_row,

@@ -216,11 +216,12 @@ class PlanContext(Protocol):
   """What answers ``remat="auto"`` while a plan is active (see plan.py)."""
 
   def remat_for(self, key: Optional[str], length: int,
-                probe: Callable[[], set[str]]) -> Any:
-    """The remat value for the loop ``key`` of ``length`` steps.
+                probe: Callable[[], set[str]], period: int = 1) -> Any:
+    """The remat value for the loop ``key`` of ``length`` layers.
 
     ``probe()`` returns the names the loop's body tags with checkpoint_name;
     only a context that discovers loops calls it (it traces the body again).
+    ``period`` is the layers in one step of the loop (a pattern's length).
     """
 
 
@@ -293,7 +294,8 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
   remat = as_remat(remat)
   if isinstance(remat, AutoRemat):
     if _contexts():
-      remat = as_remat(_contexts()[-1].remat_for(remat.key, num_layers, probe or set))
+      remat = as_remat(_contexts()[-1].remat_for(remat.key, num_layers, probe or set,
+                                                 period=period))
     elif init:
       remat = policy_lib.REMAT_ALIASES["none"]
     else:

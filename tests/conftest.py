@@ -9,16 +9,32 @@ a flag already in XLA_FLAGS wins. Only those the installed XLA knows are set
 (``fast_compile.known``: XLA aborts on a flag it does not know, and jaxlib
 0.12 lacks one of them). They are decided and set here, once, before any test
 imports JAX, and subprocesses that tests start inherit them.
+
+Every program compiled in the run is kept in a persistent compilation cache
+of the run's own (a new temporary folder, inherited by subprocesses), so a
+program that several tests or processes build is compiled once: the tests
+build many of the same small models. An executable loaded from the cache is
+the one compiled (same HLO, same buffers). A ``JAX_COMPILATION_CACHE_DIR``
+already set wins.
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = fast_compile.with_flags(os.environ.get("XLA_FLAGS", ""))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_DIR = tempfile.mkdtemp(prefix="stacktools-test-compilation-cache-")
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ.update({"JAX_COMPILATION_CACHE_DIR": _CACHE_DIR,
+                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -232,8 +232,8 @@ def _logits_and_grads(model, params):
 @pytest.mark.parametrize("block", ["fold", "scan"])
 def test_zeroed_fresh_layers_keep_the_function(block, remat):
   small, big = _gpt(2, block, remat), _gpt(4, block, remat)
-  params = small.init(jax.random.PRNGKey(0), TOKENS)
-  fresh = big.init(jax.random.PRNGKey(1), TOKENS)
+  params = jax.jit(small.init)(jax.random.PRNGKey(0), TOKENS)
+  fresh = jax.jit(big.init)(jax.random.PRNGKey(1), TOKENS)
   indices = depth.insert_new(2, 4)
   grown = st.take_layers(params, "h", indices, new=fresh, zero=model_lib.RESIDUAL_OUTPUTS)
   (_, want), want_grads = _logits_and_grads(small, params)
@@ -246,9 +246,11 @@ def test_zeroed_fresh_layers_keep_the_function(block, remat):
       mine = got_grads[module][leaf]
       np.testing.assert_allclose(mine[np.asarray(old)] if module.startswith("h/") else mine,
                                  value, rtol=1e-5, atol=1e-6, err_msg=f"{module}/{leaf}")
-  # Without zero=, the fresh layers change the function: the test can fail.
-  unzeroed = st.take_layers(params, "h", indices, new=fresh)
-  assert not np.allclose(_logits_and_grads(big, unzeroed)[0][1], want, atol=1e-3)
+  # Without zero=, the fresh layers change the function: the test can fail
+  # (once per block; the remat policy changes how, not what, is computed).
+  if remat == "none":
+    unzeroed = st.take_layers(params, "h", indices, new=fresh)
+    assert not np.allclose(_logits_and_grads(big, unzeroed)[0][1], want, atol=1e-3)
 
 
 @pytest.mark.parametrize("kw", [dict(pattern="LG", window=4), dict(stack="unrolled")],

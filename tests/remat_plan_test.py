@@ -14,6 +14,8 @@ The cost model's predictions, the few-compile planner and the plan cache are
 tested in remat_model_test.py.
 """
 
+import dataclasses
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -241,6 +243,61 @@ def test_candidates_found_by_tracing():
       "none:2,full:4", "none:3,full:3", "none:4,full:2",
       "full:2,nested:4", "full:3,nested:3", "full:4,nested:2"]
   assert "offload" not in report_lib.candidates(stack, offload=False)
+
+
+class _SmallResidual(hk.Module):
+  """A residual MLP whose branch starts small, so 128 of them stay finite."""
+
+  def __call__(self, x):
+    h = jnp.tanh(hk.Linear(4 * D, name="fc")(x))
+    return x + 0.1 * hk.Linear(D, name="out")(h)
+
+
+def _deep_step(num_layers, pattern=None):
+  """A value-and-grad step of a deep, narrow stack (small layers, so the
+  carries are what a nested split changes), with ``remat="auto"``."""
+  def loss(x):
+    block = lambda: _SmallResidual(name="block")
+    blocks = {"a": block, "b": block} if pattern else block
+    x = st.Stacked(blocks, num_layers, pattern=pattern, remat="auto", name="h").fold(x)
+    return jnp.mean(x ** 2)
+  model = hk.without_apply_rng(hk.transform(loss))
+  x = jax.random.normal(jax.random.PRNGKey(1), (256, D))
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)
+  return jax.value_and_grad(model.apply), params, x, model
+
+
+def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
+  step, params, x, model = _deep_step(64)
+  (stack,) = report_lib.discover(step, params, x)
+  assert "nested(4,4)" in report_lib.candidates(stack)      # 4 + 4 + 4 carries
+  assert not any(label.startswith("nested(") for label in report_lib.candidates(
+      dataclasses.replace(stack, num_layers=16)))           # too shallow to pay
+  report = st.remat_report(step, params, x, only=["nested", "nested(4,4)"],
+                           compile_all=True)
+  rows = {row.plan["h"]: row for row in report.rows}
+  assert rows["nested(4,4)"].temp_bytes < rows["nested"].temp_bytes
+  for row in rows.values():   # the cost model predicts the third level too
+    assert abs(row.predicted_temp_bytes / row.temp_bytes - 1) < 0.1, row
+  # It computes the un-checkpointed step.
+  want = jax.jit(report_lib.under(report_lib.Fixed({"h": "none"}), step))(params, x)
+  got = jax.jit(report_lib.under(report_lib.Fixed({"h": st.CheckpointPolicy(nested=(4, 4))}),
+                                 step))(params, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_patterns_third_level_splits_its_periods():
+  # 128 layers of pattern "ab" loop over 64 periods: the split is 64's.
+  step, params, x, _ = _deep_step(128, pattern="ab")
+  (stack,) = report_lib.discover(step, params, x)
+  assert (stack.num_layers, stack.period) == (128, 2)
+  assert "nested(4,4)" in report_lib.candidates(stack)
+  plan = report_lib.Fixed({"h": report_lib.candidates(stack)["nested(4,4)"]})
+  want = jax.jit(report_lib.under(report_lib.Fixed({"h": "none"}), step))(params, x)
+  got = jax.jit(report_lib.under(plan, step))(params, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_report_rows_and_table(one_stack_report):
