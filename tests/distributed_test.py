@@ -278,16 +278,23 @@ def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
        ["--process_id", "0..1"]),
   ]
   corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
-  started = []
-  for name, devices, flags, fragments in cases:
-    workdir = tmp_path / "work" / name
-    args = gpt.as_args({**TINY, "data_path": corpus, "workdir": workdir, **flags})
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=xla_env(devices),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started.append((name, workdir, fragments, proc))
-  for name, workdir, fragments, proc in started:
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode != 0, name
+  # The command lines run one after another in one interpreter per device
+  # count (gpt_driver.drive_cli), as each would run alone.
+  outcomes = []
+  for count in sorted({devices for _, devices, _, _ in cases}):
+    mine = [(name, tmp_path / "work" / name, fragments, flags)
+            for name, devices, flags, fragments in cases if devices == count]
+    proc, out_path = gpt.start_cli_driver(
+        str(tmp_path), f"devices{count}",
+        [gpt.as_args({**TINY, "data_path": corpus, "workdir": workdir, **flags})
+         for _, workdir, _, flags in mine], xla_env(count))
+    wait(proc)
+    with open(out_path, encoding="utf-8") as f:
+      outcomes += [(name, workdir, fragments, r["rc"], r["stderr"])
+                   for (name, workdir, fragments, _), r in zip(mine, json.load(f))]
+  assert len(outcomes) == len(cases)
+  for name, workdir, fragments, returncode, stderr in outcomes:
+    assert returncode != 0, name
     assert "Traceback" not in stderr, f"{name}:\n{stderr}"
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}:\n{stderr}"

@@ -119,6 +119,76 @@ def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) 
     json.dump(out, f)
 
 
+def drive_cli(spec_path: str, out_path: str) -> None:
+  """Runs ``train.py``'s command lines in this process, as each would run alone.
+
+  Called in a fresh interpreter (see :func:`start_cli_driver`), so that one
+  interpreter pays the imports for many short runs (a run that stops at
+  start-up costs little beside them). Each spec is a list of arguments. Per
+  run, what ``python examples/gpt/train.py ARGS`` would write to file
+  descriptor 2 (absl's log, Python's exit message or traceback, XLA's own
+  lines) and its exit status: ``{"rc": int, "stderr": str}``. The flags are
+  reset between runs; absl's app.run parses them again on each.
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+
+  def parse(argv):   # as app.run's first parse: INFO unless --verbosity is given
+    args = app.parse_flags_with_usage(argv)
+    if flags.FLAGS["verbosity"].using_default_value:
+      flags.FLAGS.verbosity = 0
+    return args
+
+  with open(spec_path, encoding="utf-8") as f:
+    specs = json.load(f)
+  results = []
+  for args in specs:
+    flags.FLAGS.unparse_flags()
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+      sys.stderr.flush()
+      saved = os.dup(2)
+      os.dup2(err.fileno(), 2)
+      rc = 0
+      try:
+        app.run(train.main, argv=[TRAIN, *args], flags_parser=parse)
+      except SystemExit as e:   # as the interpreter reports it at exit
+        if isinstance(e.code, int):
+          rc = e.code
+        elif e.code is not None:
+          print(e.code, file=sys.stderr)
+          rc = 1
+      except BaseException:  # pylint: disable=broad-except
+        traceback.print_exc()
+        rc = 1
+      finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+      err.seek(0)
+      results.append({"rc": rc, "stderr": err.read()})
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump(results, f)
+
+
+def start_cli_driver(tmp: str, label: str, specs: list[list[str]], env: dict):
+  """Starts :func:`drive_cli` on ``specs`` (argument lists, run in order).
+
+  Returns:
+    ``(process, out_path)``, as :func:`start_driver`.
+  """
+  spec_path = os.path.join(tmp, f"cli_driver_{label}.json")
+  out_path = os.path.join(tmp, f"cli_driver_{label}.out.json")
+  with open(spec_path, "w", encoding="utf-8") as f:
+    json.dump(specs, f)
+  code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
+          "import gpt_driver; gpt_driver.drive_cli(*sys.argv[3:5])")
+  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path], env,
+               os.path.join(tmp, f"cli_driver_{label}.log"))
+  return proc, out_path
+
+
 def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
                  plot: bool = False, check_imports: bool = False):
   """Starts a driver of ``specs`` (``{"name": ..., "flags": {...}}``, run in order).
