@@ -30,7 +30,7 @@ of the layer at the top of the loop body, so that independent work can run
 at once, and keeps their buffers apart; at batch 1 those copies, not the
 cache, are most of the temp memory.
 
-  python benchmarks/decode.py            # full run, about 4 minutes on 2 cores
+  python benchmarks/decode.py            # full run, 1.5 to 4 minutes on 2 cores
   python benchmarks/decode.py --quick    # seconds (the smoke test)
 
 The default run measures T = 256 and 1024 to stay within a few minutes on 2
@@ -42,6 +42,7 @@ Writes ``benchmarks/results/decode.json`` and ``decode.png``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -57,8 +58,6 @@ if __package__ in (None, ""):
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import argparse
-
 import numpy as np
 
 import stacktools as st
