@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a stack's Layers axis: GPipe and circular schedules.
+"""Pipeline parallelism over a stack's Layers axis: GPipe, circular, 1F1B, ZB-H1.
 
 Under a mesh with a ``pipe`` axis of size P, a pipelined :class:`Stacked`
 splits its layers into P stages, one per device along that axis, and the
@@ -20,6 +20,13 @@ what leaves the last stage goes back into that buffer (the input of the
 microbatch's next repeat, or its output after the last), which is why a
 circular schedule needs ``M >= P``. Every stage computes every tick (SPMD):
 a tick outside the schedule is the bubble, computed and discarded.
+
+The ``1f1b``, ``interleaved`` (1F1B over circular's chunks) and ``zb``
+(ZB-H1) schedules run each microbatch's backward inside the same loop, as
+soon as its forward has left the last stage, so a stage holds a bounded
+number of microbatches whatever M is; the loss is computed inside, and the
+loop returns it with its gradients (:func:`run_with_loss`). Their tables
+(:func:`one_f_one_b`, :func:`zero_bubble`) are data too.
 
 The parameter tree stays the plain stack's (a leading ``num_layers`` axis),
 so checkpoints move between pipelined and plain runs unchanged.
@@ -44,7 +51,9 @@ from stacktools import policy as policy_lib
 
 PyTree = Any
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb")
+# The schedules that run the backward in their own loop, the loss inside it.
+LOSS_SCHEDULES = ("1f1b", "interleaved", "zb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +88,15 @@ class Pipeline:
     axis: the mesh axis that holds the stages.
     microbatches: M, how many pieces the batch (the carry's leading axis) is
       cut into; each moves through the stages on its own.
-    schedule: ``"gpipe"`` (one pass over contiguous stages) or
-      ``"circular"`` (``repeats`` passes over interleaved stages).
-    repeats: R, for ``circular``: how many chunks of layers each stage
-      holds. ``gpipe`` takes 1.
+    schedule: ``"gpipe"`` (one pass over contiguous stages),
+      ``"circular"`` (``repeats`` passes over interleaved stages), or one
+      that computes the loss inside the pipeline (call the stack with
+      ``loss``/``scan_loss``): ``"1f1b"`` (gpipe's stages, each
+      microbatch's backward as soon as it can), ``"interleaved"`` (1F1B
+      over circular's chunks; M a multiple of P) or ``"zb"`` (ZB-H1: 1F1B
+      with the weight gradients put off to fill the bubble).
+    repeats: R, for ``circular`` and ``interleaved``: how many chunks of
+      layers each stage holds. The others take 1.
     mesh: the mesh to pipeline over; by default the one set with
       ``jax.set_mesh`` when the step is traced.
   """
@@ -106,17 +120,24 @@ class Pipeline:
     if self.schedule not in SCHEDULES:
       raise ValueError(f"st.Pipeline: schedule={self.schedule!r} is not one of "
                        f"{list(SCHEDULES)}.")
-    if self.schedule in ("gpipe", "1f1b") and self.repeats != 1:
+    if self.schedule in ("gpipe", "1f1b", "zb") and self.repeats != 1:
+      chunked = "'interleaved'" if self.schedule in LOSS_SCHEDULES else "'circular'"
       raise ValueError(
           f"st.Pipeline: schedule={self.schedule!r} passes each stage once, so repeats "
           f"must be 1, got {self.repeats}. For {self.repeats} passes over interleaved "
-          "stages use schedule='circular'.")
+          f"stages use schedule={chunked}.")
     if self.mesh is not None and self.axis not in self.mesh.shape:
       raise ValueError(
           f"st.Pipeline: the mesh given has axes {list(self.mesh.shape)} and no "
           f"{self.axis!r} axis to place the stages on. Add one (e.g. "
           f"jax.make_mesh((4, 2), ({self.axis!r}, 'data'))) or pass axis= one of "
           "its axes.")
+
+  @property
+  def computes_loss(self) -> bool:
+    """Whether the schedule runs the backward itself, the loss inside its loop
+    (the stack must then be called with ``loss`` or ``scan_loss``)."""
+    return self.schedule in LOSS_SCHEDULES
 
   def stages(self) -> int:
     """P: the size of the pipe axis in the mesh in use (1 with no mesh).
@@ -159,16 +180,28 @@ class Pipeline:
           f"multiple of {chunks}, or change the {self.axis!r} axis size or "
           f"repeats (with repeats={self.repeats}, stages x repeats may be "
           f"{fits}).")
+    self._check_microbatches(stages)
+    return num_layers // chunks
+
+  def _check_microbatches(self, stages: int) -> None:
     # Why each schedule needs a microbatch per stage at least.
     why = {"circular": "a microbatch must be back at the first stage before its next repeat",
-           "1f1b": "its steady state runs one forward and one backward per stage"}
+           "1f1b": "its steady state runs one forward and one backward per stage",
+           "interleaved": "microbatches enter in groups of one per stage",
+           "zb": "its steady state runs one forward and one backward per stage"}
     if self.schedule in why and self.microbatches < stages:
       raise ValueError(
           f"{_checks.where()}a {self.schedule} schedule needs at least as many "
           f"microbatches as stages ({why[self.schedule]}), got "
           f"microbatches={self.microbatches} for {stages} stages. Use "
           f"microbatches >= {stages}, or schedule='gpipe'.")
-    return num_layers // chunks
+    if self.schedule == "interleaved" and self.repeats > 1 and self.microbatches % stages:
+      raise ValueError(
+          f"{_checks.where()}an interleaved schedule sends microbatches through each "
+          f"chunk in groups of one per stage, so microbatches must be a multiple of "
+          f"the {stages} stages, got microbatches={self.microbatches}. Use "
+          f"microbatches={stages * (self.microbatches // stages)} or "
+          f"{stages * (self.microbatches // stages + 1)}, or schedule='1f1b'.")
 
   def table(self, stages: int) -> "Schedule":
     """The tick-by-stage table this pipeline runs over ``stages`` stages.
@@ -189,8 +222,12 @@ class Pipeline:
     if count is None or count < 1:
       raise ValueError(f"st.Pipeline.table: stages must be an int >= 1, got "
                        f"{_checks.show(stages)}.")
-    if self.schedule == "1f1b":
-      return one_f_one_b(count, self.microbatches)
+    if self.computes_loss:
+      self._check_microbatches(count)
+    if self.schedule in ("1f1b", "interleaved"):
+      return one_f_one_b(count, self.microbatches, self.repeats)
+    if self.schedule == "zb":
+      return zero_bubble(count, self.microbatches)
     return schedule(count, self.microbatches, self.repeats)
 
 
@@ -199,17 +236,34 @@ class Pipeline:
 
 
 class Schedule(NamedTuple):
-  """Per ``[tick, stage]``: which microbatch and repeat, and whether any."""
+  """Per ``[tick, stage]``: which microbatch and repeat, and whether any.
+
+  The schedules that compute the loss inside the pipeline (``1f1b``,
+  ``interleaved``, ``zb``) also say which ticks run a backward, which a
+  weight-gradient half (``zb``), and where each stage keeps what it holds
+  between a microbatch's forward and its backward: ``slot`` is the buffer
+  slot the tick's op reads, ``receive_input`` and ``receive_cotangent`` the
+  slot that what arrives after the tick goes into (-1: nothing arrives).
+  """
 
   microbatch: np.ndarray   # int32 [T, P]; 0 where idle
   repeat: np.ndarray       # int32 [T, P]; 0 where idle
   busy: np.ndarray         # bool [T, P]
-  backward: Optional[np.ndarray] = None   # bool [T, P]: a backward (1f1b only)
+  backward: Optional[np.ndarray] = None   # bool [T, P]: a backward (its input half under zb)
+  weight: Optional[np.ndarray] = None     # bool [T, P]: a weight-gradient half (zb only)
+  slot: Optional[np.ndarray] = None               # int32 [T, P]
+  receive_input: Optional[np.ndarray] = None      # int32 [T, P]
+  receive_cotangent: Optional[np.ndarray] = None  # int32 [T, P]
 
   @property
   def bubble(self) -> float:
     """The fraction of stage-ticks in which a stage holds no microbatch."""
     return float(1.0 - self.busy.mean())
+
+  @property
+  def slots(self) -> int:
+    """How many microbatch slots a stage's buffers need (0 without a backward)."""
+    return 0 if self.slot is None else int(self.slot.max()) + 1
 
 
 def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
@@ -243,57 +297,178 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
                   repeat=(jj // microbatches).astype(np.int32), busy=busy)
 
 
-def one_f_one_b(stages: int, microbatches: int) -> Schedule:
-  """The 1F1B table (Narayanan et al. 2021): forwards and backwards interleaved.
+# An op of a loss-computing schedule: (kind, microbatch, chunk). A chunk is
+# one of the stage's R pieces of layers: virtual stage v = chunk * P + stage.
+_F, _B, _W = "F", "B", "W"
 
-  A tick is one forward or one backward of one microbatch on one stage.
-  Stage ``s`` runs a backward as soon as it can (its microbatch's backward
-  has left stage ``s+1`` on an earlier tick; on the last stage, its forward
-  has), otherwise the next forward if that microbatch has arrived and fewer
-  than ``P - s`` microbatches are between their forward and backward there.
-  That cap is what keeps activation memory flat in M: a stage holds the
-  inputs of at most ``P`` microbatches. There are ``2 * (M + P - 1)`` ticks,
-  so the bubble is ``(P-1) / (M+P-1)``, GPipe's.
+
+def _megatron_order(k: int, stages: int, repeats: int, backward: bool) -> tuple[int, int]:
+  """The k-th forward (or backward) of a stage: microbatches in groups of P,
+  each group through every chunk in turn (backwards: the chunks reversed)."""
+  group, within = divmod(k, stages * repeats)
+  chunk = within // stages
+  return group * stages + within % stages, (repeats - 1 - chunk) if backward else chunk
+
+
+def one_f_one_b(stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+  """The 1F1B table (Narayanan et al. 2021), interleaved when ``repeats > 1``.
+
+  A tick is one forward or one backward of one microbatch through one chunk
+  of a stage's layers. Stage ``s`` first runs ``P - s - 1`` forwards
+  (interleaved: ``2 (P - s - 1) + (R - 1) P``), then a forward and a
+  backward in turn, then the backwards left; each op waits for what it
+  needs from the neighbouring stage. Interleaved, stage ``s`` holds chunks
+  ``s, P + s, ...`` (as ``circular``), and microbatches enter in groups of
+  P, so M must be a multiple of P. A stage holds at most ``P - s`` inputs
+  between forward and backward (interleaved: its warm-up count plus one
+  chunk inputs), whatever M is. There are ``2 (R M + P - 1)`` ticks, so the
+  bubble is ``(P-1) / (R M + P-1)``, the same share as gpipe's
+  (``repeats=1``) or circular's.
 
   Example::
 
     table = one_f_one_b(4, 8)
     assert table.busy.shape == (22, 4)
     assert np.isclose(table.bubble, 3 / 11)
+    assert np.isclose(one_f_one_b(4, 8, repeats=2).bubble, 3 / 19)
+
+  Args:
+    stages: P.
+    microbatches: M.
+    repeats: R, chunks per stage (virtual stages per device).
+
+  Returns:
+    A :class:`Schedule` whose ``backward`` marks the backward ticks.
+  """
+  total = microbatches * repeats
+  ops = []
+  for s in range(stages):
+    warm = stages - s - 1 if repeats == 1 else 2 * (stages - s - 1) + (repeats - 1) * stages
+    warm = min(warm, total)
+    order = lambda k, back: _megatron_order(k, stages, repeats, back)  # noqa: E731
+    seq = [(_F, *order(k, False)) for k in range(warm)]
+    for k in range(total - warm):
+      seq += [(_F, *order(warm + k, False)), (_B, *order(k, True))]
+    seq += [(_B, *order(k, True)) for k in range(total - warm, total)]
+    ops.append(seq)
+  return _lockstep(ops, stages, repeats)
+
+
+def zero_bubble(stages: int, microbatches: int) -> Schedule:
+  """The ZB-H1 table (Qi et al. 2024): 1F1B with each backward cut in two.
+
+  ``B`` (a ``backward`` tick) computes only the input's gradient, which the
+  previous stage waits for; ``W`` (a ``weight`` tick) the parameters'
+  gradient, which nobody waits for. Stage ``s`` runs 1F1B's ``P - s``
+  warm-up forwards, then ``B``, ``W``, ``F`` in turn, holding back ``s``
+  of its ``W`` s to fill the ticks in which the last backwards are on their
+  way; at most ``P`` microbatches are between forward and ``W`` on any
+  stage, 1F1B's peak. With a tick per F, B or W there are ``3 M + P - 1``
+  ticks, so the bubble is ``(P-1) / (3 M + P-1)``; 1F1B's, on the same
+  ticks (its backward being B and W), is ``3 (P-1) / (3 M + 3 (P-1))``.
+
+  Example::
+
+    table = zero_bubble(4, 8)
+    assert table.busy.shape == (27, 4)
+    assert np.isclose(table.bubble, 3 / 27)
 
   Args:
     stages: P.
     microbatches: M.
 
   Returns:
-    A :class:`Schedule` whose ``backward`` marks the backward ticks.
+    A :class:`Schedule` whose ``backward`` marks the B ticks and ``weight``
+    the W ticks.
   """
-  done_f, done_b = {}, {}   # (microbatch, stage) -> tick
-  next_f, next_b = [0] * stages, [0] * stages
-  rows, never = [], 1 << 30
-  while min(next_b) < microbatches:
+  ops = []
+  for s in range(stages):
+    warm = min(stages - s, microbatches)
+    seq = [(_F, m, 0) for m in range(warm)]
+    done_b = done_w = 0
+    for m in range(warm, microbatches + stages - s):
+      seq.append((_B, done_b, 0))
+      done_b += 1
+      if done_b - done_w > s:
+        seq.append((_W, done_w, 0))
+        done_w += 1
+      if m < microbatches:
+        seq.append((_F, m, 0))
+    seq += [(_B, m, 0) for m in range(done_b, microbatches)]
+    seq += [(_W, m, 0) for m in range(done_w, microbatches)]
+    ops.append(seq)
+  return _lockstep(ops, stages, 1)
+
+
+def _lockstep(ops: list[list[tuple[str, int, int]]], stages: int,
+              repeats: int) -> Schedule:
+  """Runs each stage's ops in order, one per tick, each as soon as what it
+  needs has arrived (a forward: the previous virtual stage's forward of its
+  microbatch; a backward: the next one's backward, or on the last virtual
+  stage its own forward; ``W``: its own ``B``); then gives every held input
+  a buffer slot, reused once its last op has read it."""
+  last_v = stages * repeats - 1
+  done: dict[tuple[str, int, int], int] = {}   # (kind, microbatch, virtual stage) -> tick
+  position, rows = [0] * stages, []
+  needs = {_F: lambda m, v: (_F, m, v - 1) if v else None,
+           _B: lambda m, v: (_F, m, v) if v == last_v else (_B, m, v + 1),
+           _W: lambda m, v: (_B, m, v)}
+  while any(p < len(seq) for p, seq in zip(position, ops)):
     t, row = len(rows), []
     for s in range(stages):
-      mb, mf = next_b[s], next_f[s]
-      last = s == stages - 1
-      ready = done_f.get((mb, s), never) if last else done_b.get((mb, s + 1), never)
-      if mb < mf and ready < t:
-        row.append((2, mb))
-      elif (mf < microbatches and (s == 0 or done_f.get((mf, s - 1), never) < t)
-            and mf - mb < stages - s):
-        row.append((1, mf))
-      else:
-        row.append((0, 0))
-    for s, (op, m) in enumerate(row):
-      if op == 1:
-        done_f[(m, s)], next_f[s] = t, next_f[s] + 1
-      elif op == 2:
-        done_b[(m, s)], next_b[s] = t, next_b[s] + 1
+      op = ops[s][position[s]] if position[s] < len(ops[s]) else None
+      if op is not None:
+        kind, m, chunk = op
+        need = needs[kind](m, chunk * stages + s)
+        if need is not None and done.get(need, t) >= t:
+          op = None   # not arrived yet: idle this tick
+      row.append(op)
+    for s, op in enumerate(row):
+      if op is not None:
+        done[(op[0], op[1], op[2] * stages + s)] = t
+        position[s] += 1
     rows.append(row)
-  ops = np.asarray([[op for op, _ in row] for row in rows], np.int32)
-  micro = np.asarray([[m for _, m in row] for row in rows], np.int32)
-  return Schedule(microbatch=micro, repeat=np.zeros_like(micro), busy=ops > 0,
-                  backward=ops == 2)
+    if len(rows) > 4 * sum(map(len, ops)) + 4:
+      raise AssertionError("pipeline schedule deadlocked")   # a bug here, not the user's
+  ticks = len(rows)
+  table = {name: np.zeros((ticks, stages), np.int32)
+           for name in ("microbatch", "repeat", "slot")}
+  kinds = np.full((ticks, stages), "", object)
+  receive = {_F: np.full((ticks, stages), -1, np.int32),
+             _B: np.full((ticks, stages), -1, np.int32)}
+  # Slots: stage s holds microbatch m's input to chunk r from its arrival
+  # (the previous virtual stage's forward; on the first, its own forward)
+  # to its last use (W if there is one, else B).
+  split = any(op[0] == _W for seq in ops for op in seq)
+  slot_of = {}
+  for s in range(stages):
+    spans = []
+    for kind, m, chunk in ops[s]:
+      if kind == _F:
+        v = chunk * stages + s
+        start = done[(_F, m, v - 1)] if v else done[(_F, m, v)]
+        spans.append((start, done[(_W if split else _B, m, v)], m, chunk))
+    free_after = []   # per slot: the tick of its last use
+    for start, end, m, chunk in sorted(spans):
+      slot = next((i for i, e in enumerate(free_after) if e <= start), len(free_after))
+      free_after[slot:slot + 1] = [end]
+      slot_of[(s, m, chunk)] = slot
+  for t, row in enumerate(rows):
+    for s, op in enumerate(row):
+      if op is None:
+        continue
+      kind, m, chunk = op
+      kinds[t, s] = kind
+      table["microbatch"][t, s], table["repeat"][t, s] = m, chunk
+      table["slot"][t, s] = slot_of[(s, m, chunk)]
+      v = chunk * stages + s
+      to = v + 1 if kind == _F else v - 1   # where its result goes
+      if kind != _W and 0 <= to <= last_v:
+        receive[kind][t, to % stages] = slot_of[(to % stages, m, to // stages)]
+  return Schedule(microbatch=table["microbatch"], repeat=table["repeat"],
+                  busy=kinds != "", backward=kinds == _B,
+                  weight=(kinds == _W) if split else None, slot=table["slot"],
+                  receive_input=receive[_F], receive_cotangent=receive[_B])
 
 
 # ---------------------------------------------------------------------------
@@ -565,28 +740,32 @@ def with_gradients(value: jax.Array, pairs: list[tuple[PyTree, PyTree]]) -> jax.
   return out
 
 
-def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLayers,
-             make_slice: Callable[..., Any], ends: Ends, *, pipeline: Pipeline,
-             stages: int, policy: policy_lib.CheckpointPolicy, unroll: Any
-             ) -> tuple[jax.Array, PyTree, PyTree]:
-  """Runs embed, the layers and head as a 1F1B pipeline; ``(loss, ys, state)``.
+def run_with_loss(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLayers,
+                  make_slice: Callable[..., Any], ends: Ends, *, pipeline: Pipeline,
+                  stages: int, policy: policy_lib.CheckpointPolicy, unroll: Any
+                  ) -> tuple[jax.Array, PyTree, PyTree]:
+  """Runs embed, the layers and head as a 1F1B-family pipeline; ``(loss, ys, state)``.
 
   One ``shard_map`` over the pipe axis runs a ``lax.scan`` over the ticks of
-  :func:`one_f_one_b`. At each tick a stage looks up its op and switches:
+  the pipeline's table (:func:`one_f_one_b`, :func:`zero_bubble`). At each
+  tick a stage looks up its op, microbatch ``m`` and chunk ``r``:
 
-  * forward of microbatch ``m``: its layers (after ``embed`` on the first
-    stage) on the input that arrived for ``m``; on the last stage ``head``
-    gives ``m``'s loss. The input and the layers' state stay in slot
-    ``m % P`` of the stage's buffers, the output goes to the next stage.
-  * backward of ``m``: ``jax.vjp`` of the same function at slot ``m % P``
-    (so it recomputes the forward, each layer with the stack's checkpoint
-    policy), pulled back from the cotangent the next stage sent (on the last
-    stage, from ``1/M`` on the loss); the gradients add up and the input's
-    cotangent goes to the previous stage.
+  * forward: chunk ``r``'s layers (after ``embed`` on the first virtual
+    stage) on the input that arrived for ``(m, r)``; on the last virtual
+    stage ``head`` gives ``m``'s loss. The input and the layers' state stay
+    in the op's slot of the stage's buffers, the output goes to the next
+    virtual stage.
+  * backward: ``jax.vjp`` of the same function at that slot (so it
+    recomputes the forward, each layer with the stack's checkpoint policy),
+    pulled back from the cotangent the next virtual stage sent (on the last,
+    from ``1/M`` on the loss); the gradients add up and the input's
+    cotangent goes to the previous virtual stage. Under ``zb`` the backward
+    is two ops: ``B`` pulls back to the input only, ``W`` (later) to the
+    parameters only.
 
-  Two ``ppermute`` per tick carry activations forward and cotangents back.
-  The schedule keeps at most ``P - s`` microbatches between forward and
-  backward on stage ``s``, so ``P`` slots suffice whatever M is.
+  Two ``ppermute`` per tick carry activations forward and cotangents back
+  (cyclic when interleaved: the last stage's chunk feeds the first stage's
+  next chunk).
 
   Returns:
     The mean of the microbatches' losses, carrying the gradients of the
@@ -595,12 +774,18 @@ def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLay
     layer's ``y`` (``[L, B, ...]``, no gradient; ``None`` for a fold) and the
     new per-layer state.
   """
-  micro, axis = pipeline.microbatches, pipeline.axis
-  table = one_f_one_b(stages, micro)
-  ops = np.where(table.backward, 2, table.busy.astype(np.int32)).astype(np.int32)
+  micro, axis, repeats = pipeline.microbatches, pipeline.axis, pipeline.repeats
+  table = pipeline.table(stages)
+  split = table.weight is not None
+  # 1: forward; 2: backward (both halves); 3: its input half; 4: its weight half.
+  ops = np.where(table.backward, 3 if split else 2, table.busy.astype(np.int32))
+  if split:
+    ops = np.where(table.weight, 4, ops)
+  ops = ops.astype(np.int32)
+  num_slots = table.slots
   inputs = split_microbatches(ends.inputs, micro)
   targets = split_microbatches(ends.targets, micro)
-  staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, 1), pipeline)
+  staged = _on_pipe(to_stages(_on_pipe(layers, pipeline), stages, repeats), pipeline)
   take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)  # noqa: E731
   zeros_like = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)  # noqa: E731
   # What has a gradient: layer params, per-layer args, embed's and head's
@@ -611,124 +796,140 @@ def run_1f1b(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: StageLay
   loss_shape = jax.eval_shape(ends.head, ends.head_params, x_shape, take(targets, 0))
   if loss_shape.shape != ():
     raise ValueError(
-        f"{_checks.where()}a 1f1b pipeline's head must return one number per "
-        f"microbatch (its mean loss), got shape {tuple(loss_shape.shape)}.")
+        f"{_checks.where()}a {pipeline.schedule} pipeline's head must return one number "
+        f"per microbatch (its mean loss), got shape {tuple(loss_shape.shape)}.")
 
-  def per_device(inputs, targets, staged, embed_params, head_params, broadcast, ops,
-                 micro_idx):
+  def per_device(inputs, targets, staged, embed_params, head_params, broadcast, table):
     stage = lax.axis_index(axis)
-    first, last = stage == 0, stage == stages - 1
-    local = take(staged, 0)   # [1, K, ...]
+    local = take(staged, 0)   # [R, K, ...]
     diff, rebuild = _split((local.params, local.sliced, embed_params, head_params,
                             broadcast))
 
-    def forward(diff, state, x_in, m):
+    def forward(diff, state, x_in, m, r):
       params, sliced, e_params, h_params, bcast = rebuild(diff)
+      first = (stage == 0) & (r == 0)
       x0 = jax.tree_util.tree_map(functools.partial(jnp.where, first),
                                   ends.embed(e_params, take(inputs, m)), x_in)
       with ends.with_broadcast(bcast):
         x1, results = _stage_chunk(body, make_slice, policy, unroll, x0,
                                    local._replace(params=params, sliced=sliced),
-                                   state, 0, m)
+                                   state, r, m)
+      last = (stage == stages - 1) & (r == repeats - 1)
       loss = jnp.where(last, ends.head(h_params, x1, take(targets, m)), 0)
       return (x1, loss), (results[0], results[1])
 
     state0 = take(local.state, 0)
     ys_shape = jax.eval_shape(
-        lambda d, s, x: forward(d, s, x, 0)[1][0], diff, state0, x_shape)
+        lambda d, s, x: forward(d, s, x, 0, 0)[1][0], diff, state0, x_shape)
     x_zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), x_shape)
     slots = lambda t: jax.tree_util.tree_map(  # noqa: E731
-        lambda a: jnp.zeros((stages,) + a.shape, a.dtype), t)
+        lambda a: jnp.zeros((num_slots,) + a.shape, a.dtype), t)
 
-    def fwd_op(carry, m):
-      slot = m % stages
-      (x1, loss), (ys, new_state) = forward(diff, carry["state"],
-                                            take(carry["inputs"], slot), m)
-      carry = dict(carry, state=new_state, loss=carry["loss"] + loss / micro,
+    def fwd_op(carry, m, r, slot):
+      state = take(carry["state"], r)
+      (x1, loss), (ys, new_state) = forward(diff, state, take(carry["inputs"], slot), m, r)
+      carry = dict(carry, loss=carry["loss"] + loss / micro,
+                   state=jax.tree_util.tree_map(lambda b, v: b.at[r].set(v),
+                                                carry["state"], new_state),
                    states=jax.tree_util.tree_map(lambda b, v: b.at[slot].set(v),
-                                                 carry["states"], carry["state"]))
+                                                 carry["states"], state))
       if ys is not None:
-        carry["ys"] = jax.tree_util.tree_map(lambda b, y: b.at[:, m].set(y),
+        carry["ys"] = jax.tree_util.tree_map(lambda b, y: b.at[r, :, m].set(y),
                                              carry["ys"], ys)
-      return carry, x1, x_zero
+      return carry, x1
 
-    def bwd_op(carry, m):
-      slot = m % stages
+    def pull_back(carry, m, r, slot, wrt):
+      """The vjp of chunk r's forward at ``slot``, with respect to ``wrt``."""
       state, x_in = take(carry["states"], slot), take(carry["inputs"], slot)
-      (_, loss), pull, _ = jax.vjp(lambda d, x: forward(d, state, x, m), diff, x_in,
-                                   has_aux=True)
+      last = (stage == stages - 1) & (r == repeats - 1)
       cotangent = jax.tree_util.tree_map(
           lambda c: jnp.where(last, jnp.zeros_like(c), c), take(carry["cotangents"], slot))
-      grads, dx = pull((cotangent, jnp.where(last, 1.0 / micro, 0.0).astype(loss.dtype)))
-      carry = dict(carry, grads=jax.tree_util.tree_map(jnp.add, carry["grads"], grads))
-      return carry, x_zero, dx
+      seed = (cotangent, jnp.where(last, 1.0 / micro, 0.0).astype(loss_shape.dtype))
+      if wrt == "input":
+        _, pull, _ = jax.vjp(lambda x: forward(diff, state, x, m, r), x_in, has_aux=True)
+        return pull(seed)[0]
+      if wrt == "weights":
+        _, pull, _ = jax.vjp(lambda d: forward(d, state, x_in, m, r), diff, has_aux=True)
+        return pull(seed)[0]
+      _, pull, _ = jax.vjp(lambda d, x: forward(d, state, x, m, r), diff, x_in,
+                           has_aux=True)
+      return pull(seed)
 
-    fwd_shift = [(s, s + 1) for s in range(stages - 1)]
-    bwd_shift = [(s + 1, s) for s in range(stages - 1)]
+    def add_grads(carry, grads):
+      return dict(carry, grads=jax.tree_util.tree_map(jnp.add, carry["grads"], grads))
+
+    cyclic = repeats > 1   # the last stage's chunk r feeds the first stage's r + 1
+    fwd_shift = [(s, s + 1) for s in range(stages - 1)] + [(stages - 1, 0)] * cyclic
+    bwd_shift = [(s + 1, s) for s in range(stages - 1)] + [(0, stages - 1)] * cyclic
 
     def tick(carry, t):
-      m, op = micro_idx[t, stage], ops[t, stage]
-      # Both slots run every tick and the op picks one: a lax.switch would
-      # skip the other, but stages would then take different branches, and
-      # the collectives XLA puts inside them (a data axis's sums) must be
-      # entered by every device.
-      after_f, x1, _ = fwd_op(carry, m)
-      after_b, _, dx = bwd_op(carry, m)
-      carry = jax.tree_util.tree_map(
-          lambda f, b, c: jnp.where(op == 1, f, jnp.where(op == 2, b, c)),
-          after_f, after_b, carry)
+      op, m, r, slot, get_x, get_dx = (a[t, stage] for a in table)
+      # Every op kind runs every tick and the op picks one: a lax.switch
+      # would skip the others, but stages would then take different
+      # branches, and the collectives XLA puts inside them (a data axis's
+      # sums) must be entered by every device.
+      after = {1: fwd_op(carry, m, r, slot)}
+      if split:
+        dx = pull_back(carry, m, r, slot, "input")
+        after[3] = carry
+        after[4] = add_grads(carry, pull_back(carry, m, r, slot, "weights"))
+      else:
+        grads, dx = pull_back(carry, m, r, slot, "both")
+        after[2] = add_grads(carry, grads)
+      x1 = after[1][1]
+      after[1] = after[1][0]
+      new = carry
+      for code, value in after.items():
+        new = jax.tree_util.tree_map(functools.partial(jnp.where, op == code), value, new)
       sent_f = jax.tree_util.tree_map(lambda a: jnp.where(op == 1, a, 0), x1)
-      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(op == 2, a, 0), dx)
+      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(op >= 2, a, 0), dx)
       got_f = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, fwd_shift), sent_f)
       # One collective after the other on every device: run side by side,
       # devices could enter them in different orders and wait on each other.
       got_f, sent_b = lax.optimization_barrier((got_f, sent_b))
       got_b = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, bwd_shift), sent_b)
-      # What arrived goes into the slot of its microbatch: an input from the
-      # previous stage's forward, a cotangent from the next stage's backward.
-      prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, stages - 1)
-      for key, got, peer, op, ok in (("inputs", got_f, prev, 1, stage > 0),
-                                     ("cotangents", got_b, nxt, 2, stage < stages - 1)):
-        keep = ok & (ops[t, peer] == op)
-        slot = micro_idx[t, peer] % stages
-        carry[key] = jax.tree_util.tree_map(
-            lambda b, v: b.at[slot].set(jnp.where(keep, v, b[slot])), carry[key], got)
-      return carry, None
+      # What arrived goes into the slot the table gives it (-1: nothing came).
+      for key, got, to in (("inputs", got_f, get_x), ("cotangents", got_b, get_dx)):
+        at = jnp.maximum(to, 0)
+        new[key] = jax.tree_util.tree_map(
+            lambda b, v: b.at[at].set(jnp.where(to >= 0, v, b[at])), new[key], got)
+      return new, None
 
     carry = {"inputs": slots(x_zero), "cotangents": slots(x_zero), "states": slots(state0),
-             "state": state0, "grads": zeros_like(diff),
+             "state": local.state, "grads": zeros_like(diff),
              "loss": jnp.zeros((), loss_shape.dtype),
              "ys": jax.tree_util.tree_map(
-                 lambda s: jnp.zeros(s.shape[:1] + (micro,) + s.shape[1:], s.dtype),
-                 ys_shape)}
+                 lambda s: jnp.zeros((repeats,) + s.shape[:1] + (micro,) + s.shape[1:],
+                                     s.dtype), ys_shape)}
     carry, _ = lax.scan(tick, carry, jnp.arange(ops.shape[0]))
     params_g, sliced_g, embed_g, head_g, bcast_g = rebuild(carry["grads"])
     # Only the first stage has embed's gradient, the last head's and the
     # loss; every stage adds to the broadcast arguments'.
     shared = lax.psum((carry["loss"], embed_g, head_g, bcast_g), axis)
     expand = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
-    # Per stage: [1, 1, K, ...], the [P, R, K, ...] layout of to_stages.
-    return (shared, expand((params_g, sliced_g)), expand(expand(carry["ys"])),
-            expand(expand(carry["state"])))
+    # Per stage: [1, R, K, ...], the [P, R, K, ...] layout of to_stages.
+    return (shared, expand((params_g, sliced_g)), expand(carry["ys"]),
+            expand(carry["state"]))
 
   spec, whole = PartitionSpec(axis), PartitionSpec()
   # check_vma=False: as in run(), the buffers start equal on every stage
   # and vary by stage once a ppermute has filled them.
   mapped = jax.shard_map(
       per_device, mesh=pipeline.mesh,
-      in_specs=(whole, whole, spec, whole, whole, whole, whole, whole),
+      in_specs=(whole, whole, spec, whole, whole, whole, whole),
       out_specs=(whole, spec, spec, spec), axis_names=frozenset({axis}),
       check_vma=False)
+  columns = tuple(jnp.asarray(a) for a in (ops, table.microbatch, table.repeat, table.slot,
+                                           table.receive_input, table.receive_cotangent))
   # The loop computes its own gradients (with_gradients below adds them):
   # cut its inputs off from an outer jax.grad, which would otherwise
   # linearize the whole loop only to drop the result.
   (loss, embed_g, head_g, bcast_g), (params_g, sliced_g), ys, state = mapped(
       *lax.stop_gradient((inputs, targets, staged, ends.embed_params, ends.head_params,
-                          ends.broadcast)),
-      jnp.asarray(ops), jnp.asarray(table.microbatch))
+                          ends.broadcast)), columns)
   grads = (from_stages(params_g), from_stages(sliced_g), embed_g, head_g, bcast_g)
   loss = with_gradients(loss, list(zip(outer, grads)))
-  # [P, 1, K, M, mb, ...] -> [L, M, mb, ...] -> [L, B, ...]
+  # [P, R, K, M, mb, ...] -> [L, M, mb, ...] -> [L, B, ...]
   if ys is not None:
     ys = lax.stop_gradient(merge_microbatches(from_stages(ys), axis=1))
   return loss, ys, from_stages(state)

@@ -71,20 +71,22 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
 
   With ``ends = (embed, head, inputs, targets)`` (:meth:`Stacked.loss`) the
   carry is ``embed(inputs)`` and the result ``(head(x, targets), ys)``; a
-  ``1f1b`` pipeline runs all three per microbatch in its own loop.
+  ``1f1b``, ``interleaved`` or ``zb`` pipeline runs all three per microbatch
+  in its own loop.
   """
   n = pattern.num_layers
   stages = pipeline.stages() if pipeline is not None else 1
-  one_f_one_b = (stages > 1 and pipeline.schedule == "1f1b" and not hk.running_init())
-  if one_f_one_b and ends is None:
+  in_loop = (stages > 1 and pipeline.computes_loss and not hk.running_init())
+  if in_loop and ends is None:
     raise ValueError(
-        f"{_checks.where()}schedule='1f1b' computes the loss inside the pipeline, so "
+        f"{_checks.where()}schedule={pipeline.schedule!r} computes the loss inside the "
+        "pipeline, so "
         "the stack must be called with the parts around it: "
         "blocks.loss(embed, head, inputs, targets) (or scan_loss), not fold or "
         "scan; or use schedule='gpipe'.")
   if ends is not None:
     embed, head, inputs, targets = ends
-    if one_f_one_b:   # the carry is only a shape here; the pipeline embeds
+    if in_loop:   # the carry is only a shape here; the pipeline embeds
       micro = pipeline.microbatches
       first = lambda t: jax.tree_util.tree_map(lambda a: a[::micro], t)  # noqa: E731
       embed, embed_params = _explicit_params(embed, "embed", first(inputs))
@@ -137,8 +139,8 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
           "segments. Pass one policy (e.g. remat='full' or 'nested'), or run "
           "without a pipeline.")
     (kind,) = pattern.names
-    if one_f_one_b:
-      loss, ys, new_state = pipeline_lib.run_1f1b(
+    if in_loop:
+      loss, ys, new_state = pipeline_lib.run_with_loss(
           steps[kind], pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
           pipeline_lib.Ends(embed, head, embed_params, head_params, inputs, targets,
                             arguments.broadcast, arguments.broadcast_as),
@@ -202,7 +204,8 @@ def _explicit_params(fn: Callable[..., Any], role: str,
     raise ValueError(
         f"{_checks.where()}Stacked.loss: {role} creates new Haiku modules each time it "
         f"is called (its parameters were {sorted(params)} the first time), but a "
-        "1f1b pipeline calls it once per microbatch. Construct its modules "
+        "1f1b, interleaved or zb pipeline calls it once per microbatch. Construct "
+        "its modules "
         "before blocks.loss and call them inside (e.g. proj = hk.Linear(n); "
         "head = lambda x, t: loss(proj(x), t)).")
 
