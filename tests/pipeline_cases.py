@@ -12,6 +12,7 @@ un-checkpointed function.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -337,6 +338,15 @@ def error_cases() -> dict:
       lambda: one_f_one_b(st.Pipeline(microbatches=2, schedule="1f1b")))
   out["1f1b_layers_not_divisible"] = message(
       lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="1f1b"), num_layers=6))
+  out["interleaved_microbatches_not_multiple"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=6, schedule="interleaved", repeats=2)))
+  out["interleaved_layers_not_divisible"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="interleaved", repeats=2),
+                          num_layers=12))
+  out["zb_too_few_microbatches"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=3, schedule="zb")))
+  out["zb_fold"] = message(
+      lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="zb"), call="fold"))
   out["1f1b_fold"] = message(
       lambda: one_f_one_b(st.Pipeline(microbatches=4, schedule="1f1b"), call="fold"))
 
@@ -396,7 +406,16 @@ def compare(loss, grads, ref_loss, ref_grads) -> dict:
           "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
 
 
-def one_f_one_b_cases() -> dict:
+# The schedules that compute the loss inside the pipeline, and the repeats
+# each runs with here (interleaved: two chunks per stage).
+LOSS_SCHEDULES = {"1f1b": 1, "interleaved": 2, "zb": 1}
+
+
+def loss_pipeline(schedule: str, micro: int) -> st.Pipeline:
+  return st.Pipeline(microbatches=micro, schedule=schedule, repeats=LOSS_SCHEDULES[schedule])
+
+
+def loss_schedule_cases(schedule: str) -> dict:
   """Loss and gradients against the plain stack (``remat="none"``, one device).
 
   A fold block on pipe:4,data:2 with M=8 > P (the steady state, a data axis
@@ -414,20 +433,20 @@ def one_f_one_b_cases() -> dict:
   for sizes, micro, remat in runs:
     name = ",".join(f"{k}:{v}" for k, v in sizes.items()) + f" M={micro} remat={remat}"
     mesh = make_mesh(sizes)
-    piped = loss_model(8, st.Pipeline(microbatches=micro, schedule="1f1b"), remat)
+    piped = loss_model(8, loss_pipeline(schedule, micro), remat)
     try:
       with jax.set_mesh(mesh):
         out[name] = compare(*jax.jit(jax.value_and_grad(piped.apply))(
             sharded(params, mesh), inp, tgt), *ref)
     except Exception as e:  # pylint: disable=broad-except
       out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-  out["scan"] = _one_f_one_b_scan(inp, tgt)
-  out["state"] = _one_f_one_b_state(inp, tgt)
-  out["rng"] = _one_f_one_b_rng(inp, tgt)
+  out["scan"] = _loss_schedule_scan(schedule, inp, tgt)
+  out["state"] = _loss_schedule_state(schedule, inp, tgt)
+  out["rng"] = _loss_schedule_rng(schedule, inp, tgt)
   return out
 
 
-def _one_f_one_b_scan(inp, tgt) -> dict:
+def _loss_schedule_scan(schedule, inp, tgt) -> dict:
   """A scan block (scan_loss) with a per-layer scale and a broadcast bias on
   pipe:2,fsdp:2,data:2, remat="nested" (4 layers per stage, so the nested
   loop has chunks to split): the loss, the gradients of params, scale and
@@ -453,14 +472,14 @@ def _one_f_one_b_scan(inp, tgt) -> dict:
   (ref_loss, ref_ys), ref_grads = grad(plain)(params, inp, tgt, scale, bias)
   mesh = make_mesh(MESHES["pipe:2,fsdp:2,data:2"])
   with jax.set_mesh(mesh):
-    (loss, ys), grads = grad(make(st.Pipeline(microbatches=4, schedule="1f1b"), "nested"))(
+    (loss, ys), grads = grad(make(loss_pipeline(schedule, 4), "nested"))(
         sharded(params, mesh), inp, tgt, scale, bias)
   return dict(compare(loss, grads, ref_loss, ref_grads), ys_allclose=allclose(ys, ref_ys),
               ys_shape=list(ys.shape), ref_ys_shape=list(ref_ys.shape),
               bias_grad_nonzero=bool(np.any(np.asarray(grads[2]) != 0)))
 
 
-def _one_f_one_b_state(inp, tgt) -> dict:
+def _loss_schedule_state(schedule, inp, tgt) -> dict:
   """State: once per microbatch, in order. Reference: the plain model applied to
   microbatch 0, 1, ... in turn, each from the state the previous one left."""
   num_layers, micro = 8, 4
@@ -470,7 +489,7 @@ def _one_f_one_b_state(inp, tgt) -> dict:
   for m in range(micro):
     loss, ref_state = plain.apply(params, ref_state, inp[m::micro], tgt[m::micro])
     ref_losses.append(loss)
-  piped = loss_model(num_layers, st.Pipeline(microbatches=micro, schedule="1f1b"),
+  piped = loss_model(num_layers, loss_pipeline(schedule, micro),
                      make_block=Counter, state=True)
   with jax.set_mesh(make_mesh({"pipe": 4})):
     loss, state = jax.jit(piped.apply)(params, state0, inp, tgt)
@@ -485,10 +504,10 @@ class NoisyBlock(hk.Module):
     return x + noise * hk.Linear(WIDTH)(x)
 
 
-def _one_f_one_b_rng(inp, tgt) -> dict:
-  """With an rng: 1F1B's loss and gradients against GPipe's (the same
-  per-layer, per-microbatch keys; GPipe differentiated by jax.grad), and the
-  key matters."""
+def _loss_schedule_rng(schedule, inp, tgt) -> dict:
+  """With an rng: the loss and gradients against GPipe's or circular's with
+  the same repeats (the same per-layer, per-microbatch keys, differentiated
+  by jax.grad), and the key matters."""
   def make(pipeline):
     def f(tokens, targets):
       embed, proj = hk.Embed(VOCAB, WIDTH, name="embed"), hk.Linear(VOCAB, name="out")
@@ -502,9 +521,11 @@ def _one_f_one_b_rng(inp, tgt) -> dict:
   key = jax.random.PRNGKey(3)
   params = make(None).init(jax.random.PRNGKey(0), inp, tgt)
   with jax.set_mesh(make_mesh({"pipe": 4})):
-    ref = jax.jit(jax.value_and_grad(make(st.Pipeline(microbatches=4)).apply))(
-        params, key, inp, tgt)
-    f = jax.jit(jax.value_and_grad(make(st.Pipeline(microbatches=4, schedule="1f1b")).apply))
+    repeats = LOSS_SCHEDULES[schedule]
+    plain_schedule = st.Pipeline(microbatches=4, schedule="circular" if repeats > 1 else "gpipe",
+                                 repeats=repeats)
+    ref = jax.jit(jax.value_and_grad(make(plain_schedule).apply))(params, key, inp, tgt)
+    f = jax.jit(jax.value_and_grad(make(loss_pipeline(schedule, 4)).apply))
     got, other = f(params, key, inp, tgt), f(params, jax.random.PRNGKey(4), inp, tgt)
   return dict(compare(*got, *ref), key_matters=bool(abs(float(got[0] - other[0])) > 1e-6))
 
@@ -537,7 +558,8 @@ def _shardings(params, mesh):
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
-CASES = {"one_f_one_b": one_f_one_b_cases, "memory": memory_case,
+CASES = {**{schedule: functools.partial(loss_schedule_cases, schedule)
+            for schedule in LOSS_SCHEDULES}, "memory": memory_case,
          "equality": equality_cases, "remat": remat_cases, "scan": scan_case,
          "state": state_case, "rng": rng_case, "errors": error_cases}
 

@@ -82,8 +82,9 @@ def test_scan_block_with_per_layer_and_broadcast_arguments(cases):
   assert scan["loss_allclose"] and scan["grads_allclose"]
 
 
-def test_1f1b_loss_and_gradients_match_the_plain_stack(cases):
-  one = cases["one_f_one_b"]
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb"])
+def test_loss_schedules_match_the_plain_stack(cases, schedule):
+  one = cases[schedule]
   folds = [k for k in one if k.startswith("pipe")]
   assert "pipe:4,data:2 M=8 remat=full" in folds   # M > P, a data axis
   assert {k.split("remat=")[1] for k in folds if k.startswith("pipe:2 ")} == set(
@@ -109,27 +110,54 @@ def test_1f1b_temp_memory_does_not_grow_with_microbatches(cases):
   assert mem["1f1b M=32"] <= 1.25 * mem["1f1b M=4"], mem
 
 
-@pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4), (4, 8), (8, 8), (4, 32)])
-def test_1f1b_table_bubble_order_and_in_flight_cap(stages, micro):
-  table = st.Pipeline(microbatches=micro, schedule="1f1b").table(stages)
-  assert table.busy.shape == (2 * (micro + stages - 1), stages)
-  assert table.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
-  when = {}
-  for t, s in zip(*np.nonzero(table.busy)):
-    key = (int(table.microbatch[t, s]), int(s), bool(table.backward[t, s]))
-    assert key not in when
-    when[key] = t
-  assert len(when) == 2 * micro * stages
+@pytest.mark.parametrize("schedule,repeats", [("1f1b", 1), ("interleaved", 2),
+                                               ("interleaved", 3), ("zb", 1)])
+@pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4), (4, 8), (8, 8), (4, 32), (3, 9)])
+def test_loss_schedule_tables_bubble_order_buffers_and_in_flight_cap(schedule, repeats,
+                                                                     stages, micro):
+  """Replays the table: every op once, after what it needs, and every slot it
+  reads holds the microbatch it names (so no arrival overwrote one still held)."""
+  table = st.Pipeline(microbatches=micro, schedule=schedule, repeats=repeats).table(stages)
+  split, virtual = schedule == "zb", stages * repeats
+  if split:   # a tick per F, B or W
+    assert table.busy.shape == (3 * micro + stages - 1, stages)
+    assert table.bubble == pytest.approx((stages - 1) / (3 * micro + stages - 1))
+  else:
+    assert table.busy.shape == (2 * (repeats * micro + stages - 1), stages)
+    assert table.bubble == pytest.approx((stages - 1) / (repeats * micro + stages - 1))
+  when, held, cotangents = {}, {}, {}
+  for t in range(table.busy.shape[0]):
+    for s in np.nonzero(table.busy[t])[0]:
+      m, r, slot = (int(a[t, s]) for a in (table.microbatch, table.repeat, table.slot))
+      v = r * stages + s
+      kind = "W" if split and table.weight[t, s] else "B" if table.backward[t, s] else "F"
+      assert (kind, m, v) not in when
+      when[(kind, m, v)] = t
+      if kind == "F" and v == 0:
+        held[(s, slot)] = (m, v)   # embedded here, kept for the backward
+      assert held.get((s, slot)) == (m, v), (t, s, kind, m, v)
+      if kind != "F" and v < virtual - 1:
+        assert cotangents.get((s, slot)) == (m, v), (t, s, kind, m, v)
+    for s in range(stages):   # what arrives after the tick, from the neighbours
+      for got, store, peer, step in ((table.receive_input, held, (s - 1) % stages, 1),
+                                     (table.receive_cotangent, cotangents,
+                                      (s + 1) % stages, -1)):
+        if got[t, s] >= 0:
+          m, r = int(table.microbatch[t, peer]), int(table.repeat[t, peer])
+          store[(s, int(got[t, s]))] = (m, r * stages + peer + step)
+  assert len(when) == (3 if split else 2) * micro * virtual
   for m in range(micro):
-    for s in range(stages):   # forward before the next stage's, backward after
-      if s + 1 < stages:
-        assert when[(m, s, False)] < when[(m, s + 1, False)]
-        assert when[(m, s + 1, True)] < when[(m, s, True)]
-    assert when[(m, stages - 1, False)] < when[(m, stages - 1, True)]
-  for s in range(stages):   # at most P - s microbatches between F and B
-    in_flight = np.cumsum(table.busy[:, s] & ~table.backward[:, s]) - np.cumsum(
-        table.backward[:, s])
-    assert in_flight.max() <= stages - s
+    for v in range(virtual):
+      if v:
+        assert when[("F", m, v - 1)] < when[("F", m, v)]
+      after = ("F", m, v) if v == virtual - 1 else ("B", m, v + 1)
+      assert when[after] < when[("B", m, v)]
+      if split:
+        assert when[("B", m, v)] < when[("W", m, v)]
+  # Held inputs per stage, whatever M is: 1F1B's P (ZB-H1's peak is the
+  # same); interleaved, the warm-up forwards plus one.
+  cap = stages if repeats == 1 else 2 * (stages - 1) + (repeats - 1) * stages + 1
+  assert table.slots <= cap
 
 
 def test_state_is_updated_once_per_microbatch_in_order(cases):
@@ -158,6 +186,11 @@ def test_rng_differs_per_layer_and_per_microbatch_and_is_reproducible(cases):
     ("1f1b_too_few_microbatches", ["microbatches=2 for 4 stages", "1f1b"]),
     ("1f1b_layers_not_divisible", ["num_layers=6", "multiple of 4"]),
     ("1f1b_fold", ["blocks.loss(embed, head, inputs, targets)"]),
+    ("interleaved_microbatches_not_multiple",
+     ["multiple of the 4 stages", "microbatches=6", "microbatches=4 or 8"]),
+    ("interleaved_layers_not_divisible", ["num_layers=12", "2 repeats", "multiple of 8"]),
+    ("zb_too_few_microbatches", ["microbatches=3 for 4 stages", "zb"]),
+    ("zb_fold", ["schedule='zb' computes the loss", "blocks.loss(embed, head"]),
     ("1f1b_inline_modules", ["creates new Haiku modules", "Construct its modules"]),
 ])
 def test_mistakes_get_a_clear_error(cases, case, phrases):
@@ -250,9 +283,10 @@ def test_nested_stack_pipelines_its_own_layers_axis():
 
 @pytest.mark.parametrize("kwargs,phrase", [
     (dict(microbatches=0), "microbatches must be an integer >= 1"),
-    (dict(schedule="zb"), "not one of ['gpipe', 'circular', '1f1b']"),
+    (dict(schedule="zb-h2"), "not one of ['gpipe', 'circular', '1f1b', 'interleaved', 'zb']"),
     (dict(schedule="gpipe", repeats=2), "use schedule='circular'"),
-    (dict(schedule="1f1b", repeats=2), "use schedule='circular'"),
+    (dict(schedule="1f1b", repeats=2), "use schedule='interleaved'"),
+    (dict(schedule="zb", repeats=2), "use schedule='interleaved'"),
     (dict(axis=3), "mesh axis name"),
 ])
 def test_pipeline_configuration_errors(kwargs, phrase):
