@@ -9,16 +9,17 @@ for them:
   flagsaver, one interpreter for several runs, a private compilation cache):
   on 1 device the plain reference (scan blocks, so that their per-layer
   stats are logged); on 8 devices the start-up errors that need a mesh,
-  ``gpipe`` on ``pipe:4,data:2`` with fold blocks, and one workdir trained
-  plain (``data:8``) to step 7, resumed as a gpipe pipeline to step 14 and
-  resumed plain to step 20; on 8 more, ``circular`` with 2 repeats on
-  ``pipe:2,fsdp:2,data:2`` with scan blocks; on 4 devices ``pipe:4`` in one
-  process, the reference of the two-process runs;
+  ``gpipe``, ``1f1b`` and ``zb`` on ``pipe:4,data:2`` with fold blocks, and
+  one workdir trained plain (``data:8``) to step 4, resumed as gpipe, 1f1b
+  and zb pipelines 4 steps each and resumed plain to step 20; on 8 more,
+  ``circular`` and ``interleaved`` with 2 repeats on
+  ``pipe:2,fsdp:2,data:2`` with scan blocks; on 4 devices a ``1f1b``
+  ``pipe:4`` in one process, the reference of the two-process runs;
 * a pair of ``train.py`` processes joined through ``jax.distributed`` (gloo)
-  on 127.0.0.1, 2 devices each, ``--mesh=pipe:4``: stages 0-1 in one
-  process, 2-3 in the other, 20 steps with a checkpoint at step 10; then a
-  second pair that resumes that checkpoint, in a copy of the workdir
-  without the later one, to step 20;
+  on 127.0.0.1, 2 devices each, ``--mesh=pipe:4 --pipeline=1f1b``: stages
+  0-1 in one process, 2-3 in the other, 20 steps with a checkpoint at step
+  10; then a second pair that resumes that checkpoint, in a copy of the
+  workdir without the later one, to step 20;
 * one command-line run whose flags contradict each other.
 
 What is checked, against numbers:
@@ -71,13 +72,17 @@ GPIPE = {"mesh": "pipe:4,data:2", "pipeline": "gpipe", "microbatches": 4}
 CIRCULAR = {"mesh": "pipe:2,fsdp:2,data:2", "pipeline": "circular", "microbatches": 4,
             "pipeline_repeats": 2, "block": "scan"}
 ONE_F_ONE_B = {"mesh": "pipe:4,data:2", "pipeline": "1f1b", "microbatches": 4}
-MESH_MP = {"mesh": "pipe:4", "pipeline": "gpipe", "microbatches": 4}
-# The same workdir: plain to step 5, gpipe to 10, 1f1b (from gpipe's
-# checkpoint) to 15, plain to the end (every leg after the first reuses
-# programs its driver compiled before).
-CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 5}),
-         ("chain gpipe", {**GPIPE, "stop_after": 10, "resume": True}),
-         ("chain 1f1b", {**ONE_F_ONE_B, "stop_after": 15, "resume": True}),
+ZERO_BUBBLE = {**ONE_F_ONE_B, "pipeline": "zb"}
+INTERLEAVED = {**CIRCULAR, "pipeline": "interleaved"}
+# The two-process runs: 1F1B's two collectives a tick cross the processes.
+MESH_MP = {"mesh": "pipe:4", "pipeline": "1f1b", "microbatches": 4}
+# The same workdir: plain to step 4, gpipe to 8, 1f1b (from gpipe's
+# checkpoint) to 12, zb to 16, plain to the end (every leg after the first
+# reuses programs its driver compiled before).
+CHAIN = (("chain plain", {"mesh": "data:8", "stop_after": 4}),
+         ("chain gpipe", {**GPIPE, "stop_after": 8, "resume": True}),
+         ("chain 1f1b", {**ONE_F_ONE_B, "stop_after": 12, "resume": True}),
+         ("chain zb", {**ZERO_BUBBLE, "stop_after": 16, "resume": True}),
          ("chain plain again", {"mesh": "data:8", "resume": True}))
 # (devices, name, flags, fragments of the one line) of start-up errors that
 # need a mesh; the example's own, or stacktools' when set_up first traces the
@@ -120,9 +125,10 @@ class Runs:
     # Two 8-device drivers, so that no one process holds the others up; the
     # chain's pipelined legs reuse the gpipe and 1f1b runs' compiled steps.
     self.driver("eight", 8, [(name, flags) for devices, name, flags, _ in MESH_ERRORS
-                             if devices == 8] + [("gpipe", GPIPE), ("1f1b", ONE_F_ONE_B)]
+                             if devices == 8] + [("gpipe", GPIPE), ("1f1b", ONE_F_ONE_B),
+                                                 ("zb", ZERO_BUBBLE)]
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
-    self.driver("eight circular", 8, [("circular", CIRCULAR)])
+    self.driver("eight circular", 8, [("circular", CIRCULAR), ("interleaved", INTERLEAVED)])
     self.driver("four", 4, [("four", MESH_MP)])
     self.straight = self.pair("mp", {"checkpoint_every": STOP})
     self.straight_logs = self.resumed = self.error = None
@@ -238,7 +244,7 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
   assert proc.returncode != 0 and "Traceback" not in stderr, stderr
   lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
   assert len(lines) == 1, stderr
-  assert "--microbatches needs --pipeline=gpipe or circular" in lines[0], lines[0]
+  assert "--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)" in lines[0], lines[0]
   assert not workdir.exists()
   # Those that need a mesh ran in the drivers, which record the message
   # that sys.exit prints (alone on stderr, as the line above).
@@ -255,7 +261,8 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name,flags", [("gpipe", GPIPE), ("circular", CIRCULAR),
-                                        ("1f1b", ONE_F_ONE_B)])
+                                        ("1f1b", ONE_F_ONE_B), ("zb", ZERO_BUBBLE),
+                                        ("interleaved", INTERLEAVED)])
 def test_pipelined_run_gives_the_one_device_losses(runs, name, flags):
   log = runs.driver_run(name)["log"]
   sizes = {"pipe": 1, "data": 1, "fsdp": 1,
@@ -289,14 +296,14 @@ def test_scan_block_stats_come_back_through_the_pipeline(runs):
 
 
 def test_checkpoints_move_between_plain_and_pipelined_runs(runs):
-  """Plain to step 5, gpipe (from the plain checkpoint) to step 10, 1f1b
-  (from gpipe's) to 15, plain again (from 1f1b's) to 20: the reference's
-  losses."""
+  """Plain to step 4, gpipe (from the plain checkpoint) to step 8, 1f1b
+  (from gpipe's) to 12, zb (from 1f1b's) to 16, plain again (from zb's) to
+  20: the reference's losses."""
   logs = [runs.driver_run(name)["log"] for name, _ in CHAIN]
-  assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[3]
-  assert "Pipeline: gpipe over 4 stages" in logs[1], logs[1]
-  assert "Pipeline: 1f1b over 4 stages" in logs[2], logs[2]
-  for log, step in zip(logs[1:], (5, 10, 15)):
+  assert "Pipeline:" not in logs[0] and "Pipeline:" not in logs[4]
+  for log, schedule in zip(logs[1:4], ("gpipe", "1f1b", "zb")):
+    assert f"Pipeline: {schedule} over 4 stages" in log, log
+  for log, step in zip(logs[1:], (4, 8, 12, 16)):
     assert f"Resumed from step {step}." in log, log
   runs.driver_run("reference")
   chain = runs.workdir("chain")
@@ -318,7 +325,7 @@ def test_two_processes_equal_one_process_and_resume_exactly(runs):
   four, mp, resumed = (runs.workdir(name) for name in ("four", "mp", "mp resumed"))
   for log in straight_logs + resumed_logs:
     assert "mesh {'pipe': 4, 'data': 1, 'fsdp': 1} over 4 devices in 2 processes" in log, log
-    assert "Pipeline: gpipe over 4 stages" in log, log
+    assert "Pipeline: 1f1b over 4 stages" in log, log
   for log in resumed_logs:
     assert f"Resumed from step {STOP}." in log, log
   for workdir in (mp, resumed):

@@ -451,12 +451,13 @@ def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
   """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats.
 
-  Under a ``1f1b`` pipeline the whole loss is the stack's call
+  Under a pipeline that computes the loss (``1f1b``, ``interleaved``,
+  ``zb``) the whole loss is the stack's call
   (``st.Stacked.loss``/``scan_loss``): the pipeline embeds on its first
   stage and takes the loss on its last, a microbatch at a time. The
   parameters, the loss and its gradients are the same as the plain path's.
   """
-  if cfg.pipeline is not None and cfg.pipeline.schedule == "1f1b":
+  if cfg.pipeline is not None and cfg.pipeline.computes_loss:
     embed, head = _ends(cfg)
     stack = _stack(cfg, training=training)
     ends = (embed, lambda x, t: _nll(head(x), t), tokens[:, :-1], tokens[:, 1:])

@@ -184,21 +184,24 @@ _MESH = flags.DEFINE_string(
     "stages, with --pipeline), data (batch) and fsdp (parameters), e.g. "
     "data:4,fsdp:2 or pipe:4,data:2; default: every device on data.")
 _PIPELINE = flags.DEFINE_enum(
-    "pipeline", "none", ("none", "gpipe", "circular", "1f1b"),
+    "pipeline", "none", ("none", "gpipe", "circular", "1f1b", "interleaved", "zb"),
     "Run the block stack as a pipeline over the mesh's pipe axis: gpipe (each "
     "stage holds a contiguous block of layers) or circular (each stage holds "
     "--pipeline_repeats interleaved chunks, a smaller bubble) or 1f1b (gpipe's "
     "stages, each microbatch's backward as soon as its forward is done: "
-    "activation memory that does not grow with --microbatches). Needs a pipe "
+    "activation memory that does not grow with --microbatches) or interleaved "
+    "(1f1b over circular's chunks; --microbatches a multiple of the pipe axis) "
+    "or zb (ZB-H1: 1f1b with the weight gradients put off to fill the "
+    "bubble). Needs a pipe "
     "axis in --mesh; a pipe axis larger than 1 needs a pipeline. none: no "
     "pipeline.")
 _MICROBATCHES = flags.DEFINE_integer(
     "microbatches", None, "With --pipeline: the pieces each step's batch is cut "
     "into, which move through the stages one after another; --batch_size must "
-    "divide by it times the data axis, and circular needs at least the pipe "
-    "axis size. Default: the pipe axis size.", lower_bound=1)
+    "divide by it times the data axis, and every schedule but gpipe needs at "
+    "least the pipe axis size. Default: the pipe axis size.", lower_bound=1)
 _PIPELINE_REPEATS = flags.DEFINE_integer(
-    "pipeline_repeats", None, "With --pipeline=circular: how many chunks of "
+    "pipeline_repeats", None, "With --pipeline=circular or interleaved: how many chunks of "
     "layers each stage holds (a microbatch passes the stages this many times); "
     "--num_layers must divide by it times the pipe axis. Default: 1.",
     lower_bound=1)
@@ -390,7 +393,8 @@ def _check_pipeline(f: dict[str, Any]) -> bool:
     if given:
       raise flags.ValidationError(
           f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
-          "--pipeline=gpipe or circular (and a pipe axis in --mesh, e.g. "
+          "a --pipeline (e.g. gpipe, circular or interleaved) and a pipe axis in "
+          "--mesh (e.g. "
           "--mesh=pipe:4,data:2).")
     return True
   if f["remat"] == "auto":
