@@ -6,10 +6,11 @@ virtual CPU devices, each answered from the schedule or the compiled program:
 1. **Bubble.** The idle share of stage-ticks, counted in the table that the
    pipeline runs (``st.Pipeline(microbatches=M, schedule=...,
    repeats=R).table(P)``), against
-   (P-1)/(M+P-1) for ``gpipe`` and ``1f1b`` and (P-1)/(R*M+P-1) for
-   ``circular``, for every P, M and R asked (``circular`` and ``1f1b`` need
-   M >= P). They must agree exactly: compared as fractions of whole
-   stage-ticks.
+   (P-1)/(M+P-1) for ``gpipe`` and ``1f1b``, (P-1)/(R*M+P-1) for
+   ``circular`` and ``interleaved``, and (P-1)/(3M+P-1) for ``zb`` (a tick
+   per forward, input-gradient or weight-gradient op), for every P, M and R
+   asked (all but ``gpipe`` need M >= P, ``interleaved`` M a multiple of P).
+   They must agree exactly: compared as fractions of whole stage-ticks.
 2. **Resident bytes.** What one device holds of the stack's parameters and
    of its Adam state (``optax.adam``) once placed with
    ``st.stacked_partition_specs(pipelined=["h"])``: the sum over leaves of
@@ -35,13 +36,15 @@ virtual CPU devices, each answered from the schedule or the compiled program:
    gradient leaf against the plain stack's with the same remat, to rtol
    1e-5 (``|a - b| <= 1e-5 * max|b|`` per leaf; the largest difference is in
    the JSON).
-5. **Temp memory against M, gpipe against 1f1b.** The GPT example's
-   training loss (``examples/gpt/model.py``'s ``loss_fn``: embedding, the
-   stack, head and cross entropy; under ``1f1b`` the loss is the stack's
-   call), ``value_and_grad`` on ``pipe:4``, microbatches of a fixed 2
-   sequences, M in 4, 8, 16, 32: compiled temp memory per device of each
-   schedule, each step run once against the plain model on one device (as
-   in 4), and the step's time, the two schedules' rounds alternated.
+5. **Temp memory against M: gpipe, 1f1b, interleaved, zb.** The GPT
+   example's training loss (``examples/gpt/model.py``'s ``loss_fn``:
+   embedding, the stack, head and cross entropy; under the schedules that
+   compute the loss the loss is the stack's call), ``value_and_grad`` on
+   ``pipe:4``, microbatches of a fixed 2 sequences, M in 4, 8, 16, 32:
+   compiled temp memory per device of each schedule (interleaved with
+   ``--repeats`` chunks per stage), each step run once against the plain
+   model on one device (as in 4), and the step's time, the schedules'
+   rounds alternated.
 
 The step times of 5 are the only wall times, and they say little: the
 virtual devices share two cores, so a step takes about the sum of every
@@ -118,8 +121,9 @@ STACK = "h"
 MESHES = ("pipe:8", "pipe:4,data:2", "pipe:2,fsdp:2,data:2", "pipe:4,fsdp:2")
 REMATS = ("full", "nested")
 SCHEDULES = ("gpipe", "circular")   # the compiled steps of question 3
-BUBBLE_SCHEDULES = ("gpipe", "1f1b", "circular")
-AGAINST_M = ("gpipe", "1f1b")
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved", "zb")
+AGAINST_M = ("gpipe", "1f1b", "interleaved", "zb")
+CHUNKED = ("circular", "interleaved")   # the schedules that take --repeats
 RTOL = 1e-5
 COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce",
                "reduce-scatter")
@@ -127,6 +131,7 @@ QUICK = ["--layers", "8", "--width", "32", "--heads", "2", "--seq_len", "16",
          "--batch", "8", "--microbatches", "4", "--pipes", "4", "--remats", "full",
          "--stages", "2,4", "--bubble_microbatches", "1,4,8", "--bubble_repeats", "1,2",
          "--sweep_microbatches", "--against_m", "4,8", "--example_layers", "4",
+         "--against_schedules", "gpipe,1f1b",
          "--time_rounds", "1"]
 
 
@@ -139,7 +144,8 @@ def build_parser():
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--microbatches", type=int, default=8,
                  help="M of every compiled pipelined step")
-  p.add_argument("--repeats", type=int, default=2, help="R of the circular steps")
+  p.add_argument("--repeats", type=int, default=2,
+                 help="R of the circular steps and of question 5's interleaved one")
   p.add_argument("--pipes", type=harness.int_list, default=[4, 8],
                  help="pipe axis sizes of the compiled steps (pipe:P on P devices)")
   p.add_argument("--remats", type=harness.str_list(REMATS), default=list(REMATS))
@@ -150,12 +156,14 @@ def build_parser():
   p.add_argument("--bubble_microbatches", type=harness.int_list,
                  default=[1, 2, 4, 8, 16, 32], help="M of the bubble question")
   p.add_argument("--bubble_repeats", type=harness.int_list, default=[1, 2, 4],
-                 help="R of the bubble question (circular)")
+                 help="R of the bubble question (circular, and interleaved above 1)")
   p.add_argument("--sweep_microbatches", type=int, nargs="*", default=[4, 16],
                  help="more M for the first pipe size's gpipe step (temp memory "
                       "against M), besides --microbatches; none to skip")
   p.add_argument("--against_m", type=harness.int_list, default=[4, 8, 16, 32],
-                 help="M of question 5 (the GPT example, gpipe against 1f1b)")
+                 help="M of question 5 (the GPT example, each schedule against M)")
+  p.add_argument("--against_schedules", type=harness.str_list(AGAINST_M),
+                 default=list(AGAINST_M), help="the schedules of question 5")
   p.add_argument("--example_pipe", type=int, default=4, help="P of question 5")
   p.add_argument("--example_layers", type=int, default=8)
   p.add_argument("--example_width", type=int, default=64)
@@ -183,16 +191,20 @@ def bubble_rows(stages: list[int], microbatches: list[int],
   rows = []
   for schedule in BUBBLE_SCHEDULES:
     for p in stages:
-      for r in (repeats if schedule == "circular" else [1]):
+      chunks = ([r for r in repeats if r > 1] if schedule == "interleaved"
+                else repeats if schedule == "circular" else [1])
+      for r in chunks:
         for m in microbatches:
-          if schedule != "gpipe" and m < p:
+          if schedule != "gpipe" and m < p or schedule == "interleaved" and m % p:
             # circular: a microbatch must be back at stage 0 before its next
-            # repeat; 1f1b: its steady state runs one forward and one
-            # backward on every stage.
+            # repeat; the others: their steady state runs one forward and
+            # one backward on every stage; interleaved: microbatches enter
+            # in groups of P.
             continue
           table = st.Pipeline(microbatches=m, schedule=schedule, repeats=r).table(p)
           idle, total = int((~table.busy).sum()), int(table.busy.size)
-          counted, formula = Fraction(idle, total), Fraction(p - 1, r * m + p - 1)
+          work = 3 * m if schedule == "zb" else r * m   # ticks of work per stage, over 2 for 1f1b
+          counted, formula = Fraction(idle, total), Fraction(p - 1, work + p - 1)
           rows.append({"schedule": schedule, "P": p, "M": m, "R": r,
                        "ticks": int(table.busy.shape[0]), "idle_stage_ticks": idle,
                        "stage_ticks": total, "bubble": table.bubble,
@@ -373,7 +385,7 @@ def compile_step(model: hk.Transformed, params, x, mesh: Optional[Mesh],
 
 
 # ---------------------------------------------------------------------------
-# 5. The GPT example's step against M: gpipe against 1f1b.
+# 5. The GPT example's step against M, for each schedule.
 
 
 def example_loss(args, pipeline: Optional[st.Pipeline]) -> hk.Transformed:
@@ -386,7 +398,7 @@ def example_loss(args, pipeline: Optional[st.Pipeline]) -> hk.Transformed:
 
 def against_m(args, options) -> dict[str, Any]:
   """Temp memory per device, numbers against the plain model, and step time
-  of the example's gradient step for each schedule of ``AGAINST_M`` and M.
+  of the example's gradient step for each schedule of ``--against_schedules`` and M.
 
   The microbatch stays ``--example_micro_batch`` sequences, so the batch
   grows with M: what a run that raises M to shrink the bubble does. Per M,
@@ -394,7 +406,7 @@ def against_m(args, options) -> dict[str, Any]:
   schedule's on ``pipe:P``; then ``--time_rounds`` rounds of one step each,
   the schedules' order alternating from round to round.
   """
-  stages, rounds = args.example_pipe, args.time_rounds
+  stages, rounds, schedules = args.example_pipe, args.time_rounds, args.against_schedules
   mesh = make_mesh({"pipe": stages})
   tokens = lambda m: jax.random.randint(  # noqa: E731
       jax.random.PRNGKey(m), (args.example_micro_batch * m, args.example_seq_len + 1),
@@ -411,11 +423,13 @@ def against_m(args, options) -> dict[str, Any]:
     plain_temp = int(compiled.memory_analysis().temp_size_in_bytes)
     x = jax.device_put(toks, NamedSharding(mesh, PartitionSpec()))
     steps = {}
-    for schedule in AGAINST_M:
-      model = example_loss(args, st.Pipeline(microbatches=m, schedule=schedule))
+    for schedule in schedules:
+      repeats = args.repeats if schedule in CHUNKED else 1
+      model = example_loss(args, st.Pipeline(microbatches=m, schedule=schedule,
+                                             repeats=repeats))
       compiled, seconds, loss, grads = compile_step(model, placed, x, mesh, options)
       steps[schedule] = compiled
-      row = {"schedule": schedule, "microbatches": m, "stages": stages,
+      row = {"schedule": schedule, "microbatches": m, "stages": stages, "repeats": repeats,
              "batch": int(toks.shape[0]),
              "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
              "plain_temp_bytes": plain_temp, "compile_seconds": seconds,
@@ -424,9 +438,9 @@ def against_m(args, options) -> dict[str, Any]:
              "wall_seconds": [], "cpu_seconds": []}
       row["matches_plain"] = row["loss_rel_diff"] <= RTOL and row["grads_max_rel_diff"] <= RTOL
       rows.append(row)
-    timed = {r["schedule"]: r for r in rows[-len(AGAINST_M):]}
+    timed = {r["schedule"]: r for r in rows[-len(schedules):]}
     for i in range(rounds):
-      for schedule in (AGAINST_M if i % 2 == 0 else AGAINST_M[::-1]):
+      for schedule in (schedules if i % 2 == 0 else schedules[::-1]):
         wall, cpu = instruments.clocks()
         instruments.block(steps[schedule](placed, x))
         wall_end, cpu_end = instruments.clocks()
@@ -441,16 +455,17 @@ def against_m(args, options) -> dict[str, Any]:
                   f"{row['grads_max_rel_diff']:.1e}")
   by = {(r["schedule"], r["microbatches"]): r for r in rows}
   first, last = min(args.against_m), max(args.against_m)
-  growth = {s: by[(s, last)]["temp_bytes"] / by[(s, first)]["temp_bytes"] for s in AGAINST_M}
-  time_ratio = {m: by[("1f1b", m)]["median_wall_seconds"] / by[("gpipe", m)]["median_wall_seconds"]
-                for m in args.against_m}
+  growth = {s: by[(s, last)]["temp_bytes"] / by[(s, first)]["temp_bytes"] for s in schedules}
+  base = schedules[0]
+  time_ratio = {s: {m: by[(s, m)]["median_wall_seconds"] / by[(base, m)]["median_wall_seconds"]
+                    for m in args.against_m} for s in schedules[1:]}
   return {"model": {"vocab_size": args.example_vocab, "seq_len": args.example_seq_len,
                     "num_layers": args.example_layers, "num_heads": args.example_heads,
                     "d_model": args.example_width, "remat": "full",
                     "sequences_per_microbatch": args.example_micro_batch},
-          "mesh": f"pipe:{stages}", "rounds": rounds, "rows": rows,
+          "mesh": f"pipe:{stages}", "rounds": rounds, "schedules": schedules, "rows": rows,
           "temp_growth": {"from_M": first, "to_M": last, **growth},
-          "step_time_ratio_1f1b_over_gpipe": time_ratio}
+          "step_time_ratio_over": base, "step_time_ratio": time_ratio}
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -465,7 +480,7 @@ def markdown(payload: dict[str, Any]) -> str:
   by = {(r["schedule"], r["R"], r["P"], r["M"]): r for r in bubble["rows"]}
   for schedule, r_, p in sorted({(r["schedule"], r["R"], r["P"]) for r in bubble["rows"]},
                                 key=lambda k: (BUBBLE_SCHEDULES.index(k[0]), k[1], k[2])):
-    name = f"circular R={r_}" if schedule == "circular" else schedule
+    name = f"{schedule} R={r_}" if schedule in CHUNKED else schedule
     cells = [f"{by[(schedule, r_, p, m)]['bubble']:.3f}" if (schedule, r_, p, m) in by
              else "–" for m in ms]
     lines.append(f"| {name} | {p} | " + " | ".join(cells) + " |")
@@ -553,18 +568,20 @@ def markdown(payload: dict[str, Any]) -> str:
               "| schedule | " + " | ".join(f"M={m}" for m in ms) +
               f" | M={ms[-1]} / M={ms[0]} |",
               "|---|" + "---:|" * (len(ms) + 1)]
-    growth = example["temp_growth"]
-    for schedule in AGAINST_M:
-      lines.append(f"| {schedule} temp | " + " | ".join(
+    growth, schedules = example["temp_growth"], example["schedules"]
+    label = lambda s: f"{s} R={by[(s, ms[0])]['repeats']}" if s in CHUNKED else s  # noqa: E731
+    for schedule in schedules:
+      lines.append(f"| {label(schedule)} temp | " + " | ".join(
           f"{by[(schedule, m)]['temp_bytes'] / 2**20:.2f}" for m in ms) +
           f" | {growth[schedule]:.3f} |")
     lines.append("| plain, 1 device, temp | " + " | ".join(
         f"{by[('gpipe', m)]['plain_temp_bytes'] / 2**20:.2f}" for m in ms) + " | |")
-    for schedule in AGAINST_M:
-      lines.append(f"| {schedule} step (s) | " + " | ".join(
+    for schedule in schedules:
+      lines.append(f"| {label(schedule)} step (s) | " + " | ".join(
           f"{by[(schedule, m)]['median_wall_seconds']:.3f}" for m in ms) + " | |")
-    lines.append("| 1f1b / gpipe step | " + " | ".join(
-        f"{example['step_time_ratio_1f1b_over_gpipe'][m]:.2f}" for m in ms) + " | |")
+    for schedule, ratios in example["step_time_ratio"].items():
+      lines.append(f"| {schedule} / {example['step_time_ratio_over']} step | " + " | ".join(
+          f"{ratios[m]:.2f}" for m in ms) + " | |")
     worst = max(max(r["loss_rel_diff"], r["grads_max_rel_diff"]) for r in example["rows"])
     lines += ["", f"Every step against the plain model on one device: largest relative "
               f"difference {worst:.1e} (loss or a gradient leaf)."]
@@ -588,7 +605,8 @@ def draw(payload: dict[str, Any]):
     stages = sorted({r["P"] for r in bubble})
     kinds = sorted({(r["schedule"], r["R"]) for r in bubble},
                    key=lambda k: (BUBBLE_SCHEDULES.index(k[0]), k[1]))
-    styles = dict(zip(kinds, [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]))
+    styles = dict(zip(kinds, [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D"),
+                              ("--", "P"), (":", "*"), ("-.", "X"), ("-", "h")]))
     for i, p in enumerate(stages):
       for key in kinds:
         pts = sorted((r["M"], r["bubble"], r["formula"]) for r in bubble
@@ -597,7 +615,7 @@ def draw(payload: dict[str, Any]):
           continue
         m, counted, formula = zip(*pts)
         ls, marker = styles[key]
-        label = f"P={p} " + (f"circular R={key[1]}" if key[0] == "circular" else key[0])
+        label = f"P={p} " + (f"{key[0]} R={key[1]}" if key[0] in CHUNKED else key[0])
         ax_b.plot(m, counted, ls, marker=marker, color=f"C{i}", label=label, ms=5)
         ax_b.plot(m, formula, "x", color="black", ms=4)
     ax_b.set_xscale("log", base=2)
@@ -606,7 +624,8 @@ def draw(payload: dict[str, Any]):
     ax_b.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax_b.set_xlabel("microbatches M")
     ax_b.set_ylabel("bubble: idle stage-ticks / all")
-    ax_b.set_title("Bubble counted in st.Pipeline(...).table(P)\n(black x: (P-1)/(R·M+P-1))")
+    ax_b.set_title("Bubble counted in st.Pipeline(...).table(P)\n"
+                   "(black x: (P-1)/(R·M+P-1); zb: (P-1)/(3M+P-1))")
     ax_b.legend(fontsize=6, ncol=2)
 
     pos = np.arange(len(res))
@@ -652,12 +671,12 @@ def draw(payload: dict[str, Any]):
     if example:
       ax_e = axes[-1]
       ms = sorted({r["microbatches"] for r in example["rows"]})
-      for i, schedule in enumerate(AGAINST_M):
+      for i, schedule in enumerate(example["schedules"]):
         temp = [r["temp_bytes"] / 2**20 for m in ms for r in example["rows"]
                 if (r["schedule"], r["microbatches"]) == (schedule, m)]
-        ax_e.plot(ms, temp, "o-" if i == 0 else "s-", label=f"{schedule}, per device")
+        ax_e.plot(ms, temp, "-", marker="osDv"[i % 4], label=f"{schedule}, per device")
       plain = [r["plain_temp_bytes"] / 2**20 for m in ms for r in example["rows"]
-               if (r["schedule"], r["microbatches"]) == (AGAINST_M[0], m)]
+               if (r["schedule"], r["microbatches"]) == (example["schedules"][0], m)]
       ax_e.plot(ms, plain, "^:", color="gray", label="plain model, 1 device")
       ax_e.set_xscale("log", base=2)
       ax_e.set_yscale("log", base=2)
@@ -885,9 +904,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                        if c["parameters"]} for r in comp_rows},
           "temp_slope_over_chunk_params": sweep and sweep["slope_over_chunk_params"],
           "example_temp_growth": example and example["temp_growth"],
-          "example_1f1b_growth_at_most_1_25": example and example["temp_growth"]["1f1b"] <= 1.25,
-          "example_step_time_ratio_1f1b_over_gpipe": (
-              example and example["step_time_ratio_1f1b_over_gpipe"]),
+          "example_loss_schedules_growth_at_most_1_25": example and all(
+              example["temp_growth"][s] <= 1.25 for s in example["schedules"] if s != "gpipe"),
+          "example_step_time_ratio": example and example["step_time_ratio"],
           "cases_checked": len(checked) + len(example_rows),
           "all_match_plain": not mismatches,
           "mismatches": mismatches,
