@@ -428,8 +428,9 @@ def _lockstep(ops: list[list[tuple[str, int, int]]], stages: int,
         done[(op[0], op[1], op[2] * stages + s)] = t
         position[s] += 1
     rows.append(row)
-    if len(rows) > 4 * sum(map(len, ops)) + 4:
-      raise AssertionError("pipeline schedule deadlocked")   # a bug here, not the user's
+    # Every op waits on one made earlier, so some stage moves at least every
+    # few ticks; a table this long means the ops above deadlock (a bug here).
+    assert len(rows) <= 4 * sum(map(len, ops)) + 4, "pipeline schedule deadlocked"
   ticks = len(rows)
   table = {name: np.zeros((ticks, stages), np.int32)
            for name in ("microbatch", "repeat", "slot")}
