@@ -102,6 +102,17 @@ MESH_ERRORS = (
     (8, "circular with few microbatches", {**GPIPE, "pipeline": "circular", "microbatches": 2},
      ["error: Stacked: a circular schedule needs at least as many microbatches as "
       "stages", "got microbatches=2 for 4 stages"]),
+    (8, "1f1b with few microbatches", {**ONE_F_ONE_B, "microbatches": 2},
+     ["error: Stacked: a 1f1b schedule needs at least as many microbatches as stages",
+      "got microbatches=2 for 4 stages"]),
+    (8, "interleaved microbatches", {**ONE_F_ONE_B, "pipeline": "interleaved",
+                                     "pipeline_repeats": 2, "num_layers": 8,
+                                     "microbatches": 6, "batch_size": 12},
+     ["error: Stacked: an interleaved schedule sends microbatches through each chunk in "
+      "groups of one per stage", "got microbatches=6", "Use microbatches=4 or 8"]),
+    (8, "interleaved layers", {**ONE_F_ONE_B, "pipeline": "interleaved",
+                               "pipeline_repeats": 2},
+     ["error: Stacked: num_layers=4 cannot be split into 4 stages x 2 repeats"]),
 )
 ATOL = 1e-4  # float32 losses after 20 steps; only reductions are reordered
 # Two processes against one with the same four devices: the same program, but
@@ -245,6 +256,13 @@ def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
   lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
   assert len(lines) == 1, stderr
   assert "--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)" in lines[0], lines[0]
+  assert not workdir.exists()
+  # A schedule that does not exist: absl's enum names the ones that do.
+  proc = subprocess.run([sys.executable, TRAIN, *as_args({**TINY, "workdir": workdir}),
+                         "--pipeline=zb-h2"], cwd=REPO, env=xla_env(1),
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert "value should be one of <none|gpipe|circular|1f1b|interleaved|zb>" in proc.stderr
   assert not workdir.exists()
   # Those that need a mesh ran in the drivers, which record the message
   # that sys.exit prints (alone on stderr, as the line above).
