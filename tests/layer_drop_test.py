@@ -100,7 +100,10 @@ def _check(model, params, rates, pattern=None, scan=False):
 
   (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   (ref_value, ref_out), ref_grads = jax.value_and_grad(ref_loss, has_aux=True)(params)
-  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  # A sum of sines of every output: float32 sums in another order (another
+  # CPU's vector width) differ by a few ulps of the sum; a layer dropped or
+  # kept wrongly moves it by far more.
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
   if scan:
     np.testing.assert_allclose(out[0], ref_out[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out[1], ref_out[1], rtol=1e-5, atol=1e-6)
