@@ -203,7 +203,9 @@ def bubble_rows(stages: list[int], microbatches: list[int],
             continue
           table = st.Pipeline(microbatches=m, schedule=schedule, repeats=r).table(p)
           idle, total = int((~table.busy).sum()), int(table.busy.size)
-          work = 3 * m if schedule == "zb" else r * m   # ticks of work per stage, over 2 for 1f1b
+          # Busy ticks per stage: zb's 3M (F, B, W); the others' R*M, halved
+          # with their ticks (each of their ops, F or B, is one tick).
+          work = 3 * m if schedule == "zb" else r * m
           counted, formula = Fraction(idle, total), Fraction(p - 1, work + p - 1)
           rows.append({"schedule": schedule, "P": p, "M": m, "R": r,
                        "ticks": int(table.busy.shape[0]), "idle_stage_ticks": idle,

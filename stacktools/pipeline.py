@@ -869,21 +869,20 @@ def run_with_loss(body: Callable[[PyTree, Any], tuple[PyTree, Any]], layers: Sta
       # would skip the others, but stages would then take different
       # branches, and the collectives XLA puts inside them (a data axis's
       # sums) must be entered by every device.
-      after = {1: fwd_op(carry, m, r, slot)}
-      if split:
+      after_f, x1 = fwd_op(carry, m, r, slot)
+      after = {1: after_f}
+      if split:   # B (3) changes nothing held: it only sends the input's cotangent
         dx = pull_back(carry, m, r, slot, "input")
-        after[3] = carry
         after[4] = add_grads(carry, pull_back(carry, m, r, slot, "weights"))
       else:
         grads, dx = pull_back(carry, m, r, slot, "both")
         after[2] = add_grads(carry, grads)
-      x1 = after[1][1]
-      after[1] = after[1][0]
       new = carry
       for code, value in after.items():
         new = jax.tree_util.tree_map(functools.partial(jnp.where, op == code), value, new)
       sent_f = jax.tree_util.tree_map(lambda a: jnp.where(op == 1, a, 0), x1)
-      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(op >= 2, a, 0), dx)
+      sends_dx = op == (3 if split else 2)
+      sent_b = jax.tree_util.tree_map(lambda a: jnp.where(sends_dx, a, 0), dx)
       got_f = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, fwd_shift), sent_f)
       # One collective after the other on every device: run side by side,
       # devices could enter them in different orders and wait on each other.
