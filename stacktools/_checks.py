@@ -163,6 +163,13 @@ def check_layer_drop(layer_drop: Any, num_layers: int) -> Optional[Any]:
     return None
   fix = ("Pass a float in [0, 1) for every layer, or one per layer, e.g. "
          f"layer_drop=[0.1 * (i + 1) / {num_layers} for i in range({num_layers})].")
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(layer_drop)):
+    raise TypeError(
+        f"{where()}layer_drop= was given a traced value ({describe(layer_drop)} "
+        "computed or passed in under jax.jit or a transformation), but the rates "
+        "are fixed when the stack is built, so they must be concrete: Python "
+        "floats or a numpy array, closed over rather than passed to the jitted "
+        f"function (or passed as a static argument). {fix}")
   try:
     rates = np.asarray(layer_drop, np.float64)
   except (TypeError, ValueError):
@@ -262,6 +269,47 @@ def check_leading_axis(tree: PyTree, num_layers: int, label: str) -> None:
           f"{where} has a leading axis of {shape[0]}, but the stack has "
           f"num_layers={num_layers}; a per-layer argument needs one slice per "
           "layer on its leading axis.")
+
+
+def check_layer_rows(params: PyTree, state: PyTree, rows: int, *, stack: str,
+                     num_layers: int, kind: Optional[str] = None,
+                     pattern: Optional[tuple[str, ...]] = None,
+                     nested: bool = False) -> None:
+  """Every stacked parameter and state leaf has one row per layer (of ``kind``).
+
+  Called where a stack's apply reads them (``Stacked``, ``layer_stack``, each
+  kind of a mixed stack, a stack nested in another), as ``hk.layer_stack``'s
+  scan refuses: the first rows of deeper parameters would otherwise run
+  silently, and shallower ones fail inside ``lax.scan`` without a name.
+  A ``nested`` stack (inside another's block) is named relative to that
+  block, and its parameters have the outer Layers axis too: no
+  ``take_layers`` advice.
+  """
+  scope = stack if kind is None else f"{stack}/{kind}"
+  for what, tree in (("parameter", params), ("state", state)):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      shape = jnp.shape(leaf)
+      if shape and shape[0] == rows:
+        continue
+      name = "/".join(str(getattr(k, "key", k)) for k in path)
+      got = f"{shape[0]} rows" if shape else "no rows (it is a scalar)"
+      if kind is None:
+        need = f"the stack has num_layers={num_layers}"
+        fix = (f"build the stack with num_layers={shape[0]}, the depth they were made "
+               "for, or " if shape else "")
+        edit = f"st.take_layers(params, {stack!r}, indices)"
+      else:
+        need = (f"pattern={pattern} gives the kind {kind!r} {rows} of the stack's "
+                f"num_layers={num_layers}")
+        fix = "build the stack with the num_layers and pattern they were made for, or "
+        edit = f"st.take_layers(params, {stack!r}, indices, pattern={pattern})"
+      if nested:
+        fix = fix[:-len(", or ")] + "." if fix else "give it one row per layer."
+      else:
+        fix += f"change their depth first with {edit}."
+      raise ValueError(
+          f"{where()}the {what} {scope}/{name} has {got} on its leading (Layers) "
+          f"axis, but {need}, and a stack reads one row per layer: {fix}")
 
 
 # ---------------------------------------------------------------------------

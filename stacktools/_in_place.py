@@ -99,8 +99,10 @@ class LayerView:
         with the rank of one row and at most its size on every axis; cast to
         the argument's dtype.
       at: the start index on the row's leading axes (ints or int scalars);
-        the axes after them start at 0. Like ``lax.dynamic_update_slice``,
-        a start that would overrun an axis is moved back to fit.
+        the axes after them start at 0. A concrete start (a Python or numpy
+        int) whose update would not fit in the row is refused; a traced one
+        (under ``jax.jit``) that would overrun an axis is moved back to fit,
+        as ``lax.dynamic_update_slice`` does.
 
     Returns:
       A view of the same row with the write recorded; return it from the
@@ -128,6 +130,15 @@ class LayerView:
       if len(at) > len(row_shape):
         raise ValueError(f"{where}: write(at={at!r}) has {len(at)} indices for a row of "
                          f"rank {len(row_shape)}.")
+      for axis, (start, size, room) in enumerate(zip(at, shape, row_shape)):
+        start = _checks.as_int(start)    # None when traced: not checkable
+        if start is not None and not 0 <= start <= room - size:
+          raise ValueError(
+              f"{where}: write(at={at!r}) puts an update {size} long on axis {axis} "
+              f"of the row at {start}, but that axis holds positions 0 to {room - 1}, "
+              f"so lax.dynamic_update_slice would move the write to {max(0, min(start, room - size))} "
+              f"and overwrite what is there: start between 0 and {room - size}, or "
+              "give the row more room (e.g. a longer cache).")
       cast.append(jnp.asarray(u).astype(w.dtype))
     rank = len(jax.tree_util.tree_leaves(self._whole)[0].shape) - 1
     start = jnp.stack([jnp.asarray(i, jnp.int32) for i in at]

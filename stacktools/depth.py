@@ -131,7 +131,8 @@ def repeat(n: int, m: int, period: int = 1) -> list[int]:
 
   Progressive stacking's growth (Gong et al. 2019). For ``m`` not a multiple
   of ``n`` the lower layers get the extra copies: ``repeat(2, 3) == [0, 0,
-  1]``. ``period`` repeats whole periods of a mixed-layer stack, keeping its
+  1]``, ``repeat(4, 6) == [0, 0, 1, 1, 2, 3]`` (copies 2, 2, 1, 1).
+  ``period`` repeats whole periods of a mixed-layer stack, keeping its
   pattern: ``repeat(4, 8, period=2) == [0, 1, 0, 1, 2, 3, 2, 3]``.
 
   Example::
@@ -139,7 +140,8 @@ def repeat(n: int, m: int, period: int = 1) -> list[int]:
     assert repeat(3, 6) == [0, 0, 1, 1, 2, 2]   # st.take_layers(params, "h", repeat(3, 6))
   """
   units, target = _units(n, m, period, "repeat")
-  return _expand([u * units // target for u in range(target)], period)
+  copies, extra = divmod(target, units)   # the first `extra` units get one more
+  return _expand([u for u in range(units) for _ in range(copies + (u < extra))], period)
 
 
 def tile(n: int, m: int, period: int = 1) -> list[int]:
@@ -236,6 +238,29 @@ def _check_range(picks: list[Optional[int]], depth: int, prefix: str) -> None:
           f"layers (0 to {depth - 1}); use None for a fresh layer from new=.")
 
 
+def _check_not_kinds(inside: Bundle, prefix: str) -> None:
+  """Without ``pattern=``, refuses modules laid out as a mixed-layer stack's kinds.
+
+  A mixed-layer stack keeps each kind under ``<prefix>/<kind>/...`` with a
+  Layers axis of its own; read as a stack of one block, the indices would
+  pick each kind's rows (``[0, 1]`` of a 4-layer ``"AB"`` stack keeps all 4).
+  """
+  rests = [key[len(prefix) + 1:] for key in inside]
+  if any("/" not in rest for rest in rests):
+    return     # a module directly under the stack: not a kind
+  scopes = sorted({rest.split("/")[0] for rest in rests})
+  if len(scopes) < 2:
+    return
+  raise ValueError(
+      f"take_layers: the modules under {prefix!r} lie under {scopes}, as the kinds of "
+      f"a mixed-layer stack do ({prefix}/<kind>/..., each kind its own Layers axis), "
+      "and without pattern= the indices would pick each kind's rows, not the "
+      "stack's layers. Pass the pattern the stack was built with as pattern= (the "
+      f"kinds of one period, in layer order); if {prefix!r} is a stack of one block "
+      "whose modules lie so, edit one at a time: take_layers(params, "
+      f"'{prefix}/{scopes[0]}', indices), then '{prefix}/{scopes[1]}', ....")
+
+
 def _check_kinds(picks: list[Optional[int]], layout: Optional[_kinds.Pattern]) -> None:
   """Refuses an edit that moves a layer to a position of another kind."""
   if layout is None:
@@ -313,6 +338,8 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
                   pattern: Any, fresh: Any, zero: tuple[str, ...]):
   """Stacked layouts: one gather per leaf from ``[old rows; fresh rows]``."""
   groups = params_lib.layer_groups(inside, prefix, pattern)
+  if pattern is None:
+    _check_not_kinds(inside, prefix)
   _check_range(picks, sum(len(ids) for _, ids in groups.values()), prefix)
   scope_of = lambda i: prefix  # pylint: disable=unnecessary-lambda-assignment
   if pattern is not None:

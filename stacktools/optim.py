@@ -185,7 +185,8 @@ def _row_rules(group: _Group, scale: Optional[Scale], frozen: frozenset[int]
   """Each row's update scale and frozen flag (``None`` when none applies)."""
   factors = None
   if callable(scale):
-    factors = np.asarray([float(scale(int(i))) for i in group.ids], np.float64)
+    factors = np.asarray([_scale_at(scale, int(i), group.stack) for i in group.ids],
+                         np.float64)
     if not np.all(np.isfinite(factors)):
       raise ValueError(f"{_checks.where()}scale gave {factors.tolist()} for the layers "
                        f"{group.ids.tolist()} of {group.stack!r}; every scale must "
@@ -204,6 +205,26 @@ def _row_rules(group: _Group, scale: Optional[Scale], frozen: frozenset[int]
         f"{group.stack!r} has layers 0..{group.depth - 1}.")
   flags = np.isin(group.ids, list(frozen)) if frozen else None
   return factors, (flags if flags is not None and flags.any() else None)
+
+
+def _scale_at(scale: Callable[[int], Any], index: int, stack: str) -> float:
+  """``scale(index)`` as a float; one line naming ``scale=`` if it is not a number."""
+  value = scale(index)
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    pass
+  example = "e.g. scale=lambda i: 0.8 ** (L - 1 - i)"
+  if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(value)):
+    raise TypeError(
+        f"{_checks.where()}scale= returned a traced value for layer {index} of "
+        f"{stack!r}: it is called when the update is traced and must compute a "
+        f"number from the layer index, not from an array under jax.jit, {example}.")
+  raise TypeError(
+      f"{_checks.where()}scale= returned {_checks.describe(value)} for layer {index} "
+      f"of {stack!r}, not one number: it is called once per layer with the global "
+      f"layer index and returns that layer's factor, {example}; to give every "
+      "layer's factor at once, pass the sequence itself, scale=[...].")
 
 
 def _rows(flags: np.ndarray, like: jax.Array) -> jax.Array:
@@ -254,7 +275,12 @@ def over_layers(tx: optax.GradientTransformation, *,
       :func:`stacked_partition_specs`); or a mapping from each name to its
       mixed-layer pattern (``None`` for a stack of one block). A nested
       stack's leaves are vmapped over both Layers axes; the outer stack's
-      layers are the rows that ``scale`` and ``frozen`` index.
+      layers are the rows that ``scale`` and ``frozen`` index. The
+      parameters show each kind's count but not the order of the kinds, so
+      only the counts are checked: a pattern with the right counts in
+      another order (``("B", "A", "B")`` for ``("A", "B", "B")``) gives the
+      rows other global indices, and ``scale`` and ``frozen`` then act on
+      other layers. Pass the pattern the stack was built with.
     scale: multiplies each layer's update, weight decay included: a
       function of the global layer index (called once per layer, at trace
       time, returning a number) or one number per layer.

@@ -273,6 +273,54 @@ def _common_leading_axis(stacked: Bundle, prefix: str) -> int:
                          f"under {prefix!r} needs a leading Layers axis.")
       sizes[f"{key}/{name}"] = shape[0]
   if len(set(sizes.values())) != 1:
+    _check_is_a_stack(stacked, prefix)
     raise ValueError(f"{_checks.where()}the leaves under {prefix!r} disagree on "
-                     f"the Layers axis: {sizes}.")
+                     f"the Layers axis: {sizes}.{_pass_the_pattern(stacked, prefix)}")
   return next(iter(sizes.values()))
+
+
+#: How each entry point that reads a layout is told a stack's name and pattern.
+_NAME_ARG = {"over_layers": "stacked=", "take_layers": "name=",
+             "unstack_params": "prefix="}
+
+
+def _check_is_a_stack(stacked: Bundle, prefix: str) -> None:
+  """Refuses a module (or modules) whose own leaves differ on the leading axis.
+
+  A stack's leaves all lead with its depth; ``w: [in, out]`` and ``b: [out]``
+  of one module (a head) do not, so ``prefix`` names no stack.
+  """
+  for key, bundle in stacked.items():
+    firsts = {name: jnp.shape(value)[0] for name, value in bundle.items()}
+    if key == prefix or len(set(firsts.values())) > 1:
+      (a, rows_a), (b, rows_b) = sorted(firsts.items())[0], sorted(firsts.items())[-1]
+      if rows_a == rows_b:
+        detail = f"{key}/{a} has {rows_a} rows"
+      else:
+        detail = f"{key}/{a} has {rows_a} rows and {key}/{b} {rows_b}"
+      arg = _NAME_ARG.get(_checks.who(), "the name")
+      fix = ("; leaves under no stack go to the optimizer as they are, so drop it "
+             "from stacked=" if arg == "stacked=" else "")
+      raise ValueError(
+          f"{_checks.where()}{prefix!r} is not a stack: a stack's leaves all lead "
+          f"with its Layers axis (num_layers), but {detail}. Pass as {arg} only "
+          "the full name that a st.Stacked or st.layer_stack was given (e.g. "
+          f"'model/h'){fix}.")
+
+
+def _pass_the_pattern(stacked: Bundle, prefix: str) -> str:
+  """The hint to pass a pattern, when each top-level scope under ``prefix``
+  has a Layers axis of its own, as the kinds of a mixed-layer stack do."""
+  counts: dict[str, set[int]] = {}
+  for key, bundle in stacked.items():
+    if "/" not in key[len(prefix) + 1:]:
+      return ""           # a module directly under the stack: not a kind
+    scope = key[len(prefix) + 1:].split("/")[0]
+    counts.setdefault(scope, set()).update(jnp.shape(v)[0] for v in bundle.values())
+  if len(counts) < 2 or any(len(c) != 1 for c in counts.values()):
+    return ""
+  arg = ("stacked={" + repr(prefix) + ": pattern}" if _checks.who() == "over_layers"
+         else "pattern=")
+  return (f" Each of {sorted(counts)} has a Layers axis of its own, as the kinds of a "
+          f"mixed-layer stack ({prefix}/<kind>/...) do: pass the pattern the stack "
+          f"was built with as {arg} (the kinds of one period, in layer order).")

@@ -110,6 +110,12 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
     sliced = pattern.kind_inputs(arguments.sliced, arguments.by_kind, kind)
     lift = _layers.lift_layers if pattern.is_plain else _KindParams(name=kind)
     params, state, updaters[kind] = lift(inners[kind], init_keys, x, sliced, indices)
+    if not hk.running_init():   # init made them; apply was given them
+      _checks.check_layer_rows(
+          params, state, len(ids), stack=hk.experimental.current_name(),
+          num_layers=n, kind=None if pattern.is_plain else kind,
+          pattern=None if pattern.is_plain else pattern.kinds,
+          nested=bool(_layers._index_stack()))  # pylint: disable=protected-access
     xs[kind] = _layers.LayerSlice(params=params, state=state, rng=apply_keys,
                                   sliced=sliced, index=indices)
 
