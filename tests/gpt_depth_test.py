@@ -66,14 +66,20 @@ def runs(tmp_path_factory, corpus):
                 layer_lr_decay=0.5, steps=5, warmup_steps=0),
            spec("mixed", pattern="LG", window=4, stop_after=2),
            # Mistakes: each stops with one line, and nothing is written.
-           spec("out_of_range", init_from=path("two"), depth_map="take:0,5"),
+           spec("out_of_range", num_layers=4, init_from=path("two"),
+                depth_map="take:0,5,new,1"),
            spec("breaks_pattern", pattern="LG", window=4, init_from=path("mixed"),
                 depth_map="take:1,0"),
            spec("depth_differs", num_layers=3, init_from=path("two")),
            spec("flags_differ", d_model=32, init_from=path("two")),
            spec("no_checkpoint", init_from=path("nowhere"), depth_map="repeat", num_layers=4),
            spec("opt_state_differs", init_from=path("two"), init_opt_state="mapped",
-                freeze_layers="0:1")]
+                freeze_layers="0:1"),
+           # --resume under other optimizer flags: the checkpoint is fine, the
+           # flags are named; then with its own flags, it goes on.
+           spec("resume_muon", workdir=path("two"), resume=True, optimizer="muon"),
+           spec("resume_frozen", workdir=path("two"), resume=True, freeze_layers="0:1"),
+           spec("two_resumed", workdir=path("two"), resume=True)]
   proc, out_path = gpt_driver.start_driver(tmp, "depth", specs, gpt_driver.xla_env())
   try:
     wait(proc)
@@ -132,8 +138,11 @@ def test_init_from_fine_tunes_with_frozen_blocks(runs):
 
 
 @pytest.mark.parametrize("name, fragments", [
-    ("out_of_range", ["--depth_map=take:0,5", "indices[1]=5 is out of range: 'h' has 2 layers"]),
-    ("breaks_pattern", ["--depth_map=take:1,0", "pattern ('local', 'global')"]),
+    ("out_of_range", ["--depth_map=take:0,5,new,1 takes block 5, but the checkpoint has 2 "
+                      "blocks (0 to 1): list blocks 0 to 1, and new for a fresh one."]),
+    ("breaks_pattern", ["--depth_map=take:1,0 puts block 1, of kind G in --pattern=LG, at "
+                        "position 0, whose kind is L: take a block of kind L there, or new "
+                        "for a fresh one."]),
     ("depth_differs", ["has 2 blocks and --num_layers=3", "--depth_map"]),
     ("flags_differ", ["--init_from", "--d_model=16", "--d_model=32"]),
     ("no_checkpoint", ["--init_from=", "No checkpoint in"]),
@@ -146,7 +155,31 @@ def test_mistakes_stop_with_one_line_and_write_nothing(runs, name, fragments):
   assert message and message.startswith("error: ") and "\n" not in message, message
   for fragment in fragments:
     assert fragment in message, (fragment, message)
+  assert "None" not in message, message   # the flag's word for a fresh block is new
   assert not os.path.exists(runs["path"](name))
+
+
+@pytest.mark.parametrize("name, saved, given", [
+    ("resume_muon", "--optimizer=adamw", "--optimizer=muon"),
+    ("resume_frozen", "--freeze_layers=''", "--freeze_layers=0:1"),
+])
+def test_resume_under_other_optimizer_flags_names_them(runs, name, saved, given):
+  """Before, Orbax failed to read the optimizer state, and the message called
+  the checkpoint unreadable and advised deleting it."""
+  message = runs["out"][name]["exit"]
+  assert message and message.startswith("error: --resume: ") and "\n" not in message, message
+  two = runs["path"]("two")
+  for fragment in (f"checkpoints/{GROW_AT} holds another optimizer's state (it has no ",
+                   "the checkpoint is readable, but it was written under other optimizer "
+                   "flags (--optimizer, --freeze_layers, --layer_lr_decay, --grad_clip). "
+                   f"It was trained with {saved}, but this run has {given}: pass its values",
+                   f"drop --resume, pass --init_from={two!r} and a new --workdir."):
+    assert fragment in message, (fragment, message)
+  assert "delete" not in message and "not a readable" not in message, message
+  # With its own flags, the run goes on from that checkpoint to the end.
+  _ok(runs, "two_resumed")
+  assert sorted(_by_step(two)) == list(range(1, STEPS + 1))
+  assert gpt_driver.load_meta(two)["step"] == STEPS
 
 
 @pytest.mark.parametrize("flags, fragments", [

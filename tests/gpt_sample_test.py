@@ -7,8 +7,11 @@ their ring caches wrap. For each, ``sample.py --temperature=0`` must print
 what a full recompute of the prefix picks at every step (nanoGPT's
 ``generate``: the forward pass over the whole text, its last logits'
 argmax), up to a near tie; ``--num_samples=4`` prints that text four times
-and ``--top_k=1`` at temperature 1 prints it too. Bad ``--num_samples`` and
-``--top_k`` stop with one line naming the flag. The decode step also traces
+and ``--top_k=1`` at temperature 1 prints it too. Bad ``--num_samples``,
+``--top_k`` and ``--temperature`` (NaN once sampled token 0 every time) stop
+with one line naming the flag; a prompt longer than the model's ``seq_len``
+(once cut without a word) is continued from its end, with one log line that
+says so. The decode step also traces
 under a policy that keeps every named internal, as train.py's end-of-run
 sample runs it.
 """
@@ -25,6 +28,7 @@ import pytest
 
 import gpt_driver
 from examples.gpt import checkpoint
+from examples.gpt import data as data_lib
 from examples.gpt import model as model_lib
 from examples.gpt import sample as sample_lib
 import stacktools as st
@@ -129,6 +133,7 @@ def test_greedy_cli_equals_full_recompute(workdirs):
   for key, proc in runs.items():
     rc, stdout, stderr = finish(proc)
     assert rc == 0, (key, stderr)
+    assert "--prompt has" not in stderr, (key, stderr)   # it fits: nothing to say
     outputs[key] = stdout
   for name, (_, cfg, params) in workdirs.items():
     want, gaps = greedy_by_recompute(cfg, params)
@@ -147,7 +152,8 @@ def test_greedy_cli_equals_full_recompute(workdirs):
 def test_bad_sampling_flags_stop_with_one_line(workdirs):
   workdir = workdirs["plain"][0]
   cases = [("--num_samples=0", "--num_samples"), ("--top_k=-1", "--top_k"),
-           (f"--top_k={len(CHARS) + 1}", f"--top_k={len(CHARS) + 1} is more than")]
+           (f"--top_k={len(CHARS) + 1}", f"--top_k={len(CHARS) + 1} is more than"),
+           ("--temperature=nan", "--temperature must be a finite number >= 0 (0: greedy)")]
   procs = [(cli(f"--workdir={workdir}", flag), fragment) for flag, fragment in cases]
   for proc, fragment in procs:
     rc, stdout, stderr = finish(proc)
@@ -156,6 +162,34 @@ def test_bad_sampling_flags_stop_with_one_line(workdirs):
     message = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
     assert len(message) == 1, stderr
     assert fragment in message[0], message[0]
+
+
+def test_a_prompt_longer_than_the_model_sees_is_said_and_continued_from_its_end(workdirs):
+  workdir, cfg, params = workdirs["plain"]
+  prompt = (CHARS * 3)[:cfg.seq_len + 5]
+  rc, stdout, stderr = finish(cli(f"--workdir={workdir}", f"--prompt={prompt}",
+                                  "--temperature=0", "--num_tokens=1"))
+  assert rc == 0, stderr
+  said = [l for l in stderr.splitlines() if "--prompt has" in l]
+  assert len(said) == 1, stderr
+  assert said[0].endswith(f"--prompt has {len(prompt)} characters, more than the "
+                          f"{cfg.seq_len} positions the model sees (the --seq_len it was "
+                          f"trained with): the sample continues its last {cfg.seq_len} "
+                          f"characters (pass at most {cfg.seq_len} to have all of it "
+                          "seen)."), said[0]
+  # The whole prompt is printed; its next character is the last window's argmax.
+  forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)[0]))
+  window = np.asarray([[CHARS.index(c) for c in prompt[-cfg.seq_len:]]], np.int32)
+  logits = np.asarray(forward.apply(params, window))[0, -1]
+  top = np.sort(logits)[-2:]
+  text = stdout.rstrip("\n")
+  assert text[:-1] == prompt and len(text) == len(prompt) + 1, text
+  assert text[-1] == CHARS[int(np.argmax(logits))] or top[1] - top[0] < 1e-4
+  # generate, called directly, refuses a NaN temperature too.
+  dataset = data_lib.CharDataset(chars=CHARS, train=np.zeros(0, np.int32),
+                                 valid=np.zeros(0, np.int32))
+  with pytest.raises(ValueError, match=r"temperature=nan: use a finite number >= 0"):
+    sample_lib.generate(cfg, params, dataset, "ab", 1, temperature=float("nan"))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

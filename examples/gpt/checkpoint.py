@@ -72,6 +72,15 @@ class CheckpointError(Exception):
   """A checkpoint is missing, unreadable or does not match the model."""
 
 
+class OptimizerStateError(CheckpointError):
+  """The checkpoint is readable, but its optimizer state is another optimizer's.
+
+  Raised before anything is read: the flags that shape the optimizer state
+  (train.py's --optimizer, --freeze_layers, --layer_lr_decay, --grad_clip)
+  differ from the run's that wrote it. Nothing is wrong with the files.
+  """
+
+
 class NotFoundError(CheckpointError):
   """There is no committed checkpoint.
 
@@ -308,8 +317,10 @@ def restore(workdir: str, step: int, params: Any,
     handler = ocp.StandardCheckpointHandler()
     try:
       saved = _saved_tree(handler, step_dir / item)
-      if item == "params":  # the optimizer state follows the parameters
+      if item == "params":
         check_matches(str(step_dir), saved, template)
+      else:   # another optimizer's state would fail inside Orbax, unnamed
+        check_optimizer_state(str(step_dir), saved, template)
       restored[item] = handler.restore(step_dir / item,
                                        args=ocp.args.StandardRestore(template))
     except CheckpointError:
@@ -373,6 +384,32 @@ def check_matches(path: str, metadata: Any, template: Any) -> None:
         f"{', ...' if len(extra) > 3 else ''}): it was written by a different "
         "model or flags (e.g. --num_layers, --stack, --bias). Use the same model "
         "flags, or a new --workdir.")
+
+
+def check_optimizer_state(path: str, metadata: Any, template: Any) -> None:
+  """Raises OptimizerStateError unless the saved optimizer state has the
+  template's leaves, shapes and dtypes: the same optimizer, made by the same
+  optimizer flags."""
+  saved, want = flatten(metadata), flatten(template)
+  missing = sorted(set(want) - set(saved))
+  extra = sorted(set(saved) - set(want))
+  if missing:
+    detail = f"it has no {missing[0]}, which this run's optimizer keeps"
+  elif extra:
+    detail = f"it has {extra[0]}, which this run's optimizer does not keep"
+  else:
+    detail = ""
+    for key, leaf in want.items():
+      shape, dtype = tuple(saved[key].shape), np.dtype(saved[key].dtype)
+      if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
+        detail = (f"its {key} is {dtype}{list(shape)} where this run's optimizer "
+                  f"keeps {np.dtype(leaf.dtype)}{list(leaf.shape)}")
+        break
+  if detail:
+    raise OptimizerStateError(
+        f"{path} holds another optimizer's state ({detail}): the checkpoint is "
+        "readable, but it was written under other optimizer flags (--optimizer, "
+        "--freeze_layers, --layer_lr_decay, --grad_clip).")
 
 
 def read_arrays(workdir: str, step: Optional[int] = None,

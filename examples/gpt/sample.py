@@ -13,12 +13,14 @@ device, so the host only dispatches one call per character.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shlex
 import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,8 @@ def generate(cfg: model_lib.GPTConfig, params, dataset: data_lib.CharDataset,
   """
   if not prompt:
     raise ValueError("generate needs a prompt of at least one character.")
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f"temperature={temperature}: use a finite number >= 0 (0: greedy).")
   if not 0 <= top_k <= cfg.vocab_size:
     raise ValueError(f"top_k={top_k}: use 0 (off) up to the vocabulary's "
                      f"{cfg.vocab_size} characters.")
@@ -111,6 +115,16 @@ def generate(cfg: model_lib.GPTConfig, params, dataset: data_lib.CharDataset,
   return [prompt + dataset.decode(row) for row in ids.tolist()]
 
 
+def warn_if_cut(prompt: str, seq_len: int, flag: str) -> None:
+  """Says, in one log line, that a prompt longer than the model's ``seq_len``
+  is continued from its last ``seq_len`` characters (all it can see)."""
+  if len(prompt) > seq_len:
+    logging.warning("%s has %d characters, more than the %d positions the model "
+                    "sees (the --seq_len it was trained with): the sample continues "
+                    "its last %d characters (pass at most %d to have all of it seen).",
+                    flag, len(prompt), seq_len, seq_len, seq_len)
+
+
 #: What separates the samples of --num_samples > 1 on the standard output.
 SEPARATOR = "-" * 40
 
@@ -123,6 +137,9 @@ def define_flags() -> None:
   flags.DEFINE_string("prompt", "def ", "Text to continue.")
   flags.DEFINE_integer("num_tokens", 300, "Characters to generate.", lower_bound=1)
   flags.DEFINE_float("temperature", 0.8, "0 for greedy.", lower_bound=0.0)
+  flags.register_validator(
+      "temperature", math.isfinite,
+      message="--temperature must be a finite number >= 0 (0: greedy), e.g. 0.8.")
   flags.DEFINE_integer("top_k", 0, "Sample among the K likeliest characters "
                        "(0: off); at most the vocabulary's size.", lower_bound=0)
   flags.DEFINE_integer("num_samples", 1, "Continuations of the prompt, decoded "
@@ -164,6 +181,7 @@ def main(argv):
     params, _ = checkpoint.restore(
         workdir, step, jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes))
+    warn_if_cut(FLAGS.prompt, cfg.seq_len, "--prompt")
     texts = generate(cfg, params, dataset, FLAGS.prompt, FLAGS.num_tokens,
                      temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                      num_samples=FLAGS.num_samples, seed=FLAGS.seed)

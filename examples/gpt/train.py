@@ -146,7 +146,8 @@ _INIT_FROM = flags.DEFINE_string(
     "--depth_map. The other model flags must be that run's.")
 _DEPTH_MAP = flags.DEFINE_string(
     "depth_map", None, "With --init_from, how its N blocks become this run's "
-    "--num_layers: repeat (each block in place: 0 0 1 1), stack (the whole stack "
+    "--num_layers: repeat (each block in place: 0 0 1 1; the lower blocks take any "
+    "extra copies: 4 to 6 blocks is 0 0 1 1 2 3), stack (the whole stack "
     "again: 0 1 0 1), zero_new (fresh blocks after the old ones, their residual "
     "outputs zero: the model computes what it did), or take:I,J,... (the blocks to "
     "keep, in order; 'new' for a fresh one), e.g. take:0,1,2,5. With --pattern, "
@@ -338,8 +339,8 @@ flags.register_multi_flags_validator(
     ["init_from", "depth_map", "init_opt_state", "resume"], _check_init_from)
 
 
-def depth_indices(depth_map: Optional[str], old: int, new: int, period: int
-                  ) -> tuple[list[Optional[int]], tuple[str, ...]]:
+def depth_indices(depth_map: Optional[str], old: int, new: int, period: int,
+                  pattern: str = "") -> tuple[list[Optional[int]], tuple[str, ...]]:
   """``--depth_map`` as ``st.take_layers``' indices and ``zero=``, for a stack
   of ``old`` blocks becoming one of ``new``.
 
@@ -357,6 +358,17 @@ def depth_indices(depth_map: Optional[str], old: int, new: int, period: int
     if len(indices) != new:
       raise ValueError(f"--depth_map={depth_map} lists {len(indices)} blocks but "
                        f"--num_layers={new}; list one index per block.")
+    outside = [i for i in indices if i is not None and i >= old]
+    if outside:
+      raise ValueError(f"--depth_map={depth_map} takes block {outside[0]}, but the "
+                       f"checkpoint has {old} blocks (0 to {old - 1}): list blocks 0 "
+                       f"to {old - 1}, and new for a fresh one.")
+    for p, i in enumerate(indices):   # every position keeps its kind of --pattern
+      if i is not None and pattern and pattern[i % period] != pattern[p % period]:
+        raise ValueError(f"--depth_map={depth_map} puts block {i}, of kind "
+                         f"{pattern[i % period]} in --pattern={pattern}, at position {p}, "
+                         f"whose kind is {pattern[p % period]}: take a block of kind "
+                         f"{pattern[p % period]} there, or new for a fresh one.")
     return indices, ()
   if new < old:
     raise ValueError(f"--depth_map={depth_map} grows the stack, but --num_layers={new} "
@@ -382,6 +394,52 @@ flags.register_multi_flags_validator(
 flags.register_multi_flags_validator(
     ["nested_outer", "remat"], lambda f: f["nested_outer"] is None or f["remat"] == "nested",
     message="--nested_outer needs --remat=nested.")
+
+
+def _check_unrolled(f: dict[str, Any]) -> bool:
+  # --stack=unrolled (st.BlockSeq) is a Python loop: no scan to unroll, nor
+  # to split in two levels (nested would act as full).
+  if f["stack"] != "unrolled":
+    return True
+  remat = f["remat"]
+  aliases = [p.split(":")[0] for p in remat.split(",")] if ":" in remat else [remat]
+  if "nested" in aliases:
+    outer = " and --nested_outer" if f["nested_outer"] is not None else ""
+    raise flags.ValidationError(
+        f"--remat={remat}{outer}: nested splits a scan into two levels, and "
+        "--stack=unrolled (st.BlockSeq, a Python loop) has no scan, so it would act "
+        "as full: write full in its place, or pass --stack=scan.")
+  if f["unroll"] != 1:
+    raise flags.ValidationError(
+        f"--unroll={f['unroll']} sets the layers per rolled iteration of "
+        "--stack=scan's loop; --stack=unrolled (st.BlockSeq, a Python loop) runs "
+        "every layer unrolled already: drop --unroll, or pass --stack=scan.")
+  return True
+
+
+flags.register_multi_flags_validator(["stack", "remat", "nested_outer", "unroll"],
+                                     _check_unrolled)
+flags.register_multi_flags_validator(
+    ["muon_learning_rate", "optimizer"],
+    lambda f: f["optimizer"] == "muon" or f["muon_learning_rate"] == _MUON_LEARNING_RATE.default,
+    message="--muon_learning_rate is the peak learning rate of Muon's matrices, which "
+    "only --optimizer=muon has: pass --optimizer=muon, or drop --muon_learning_rate "
+    "(--learning_rate sets AdamW's).")
+
+
+def _check_window(f: dict[str, Any]) -> bool:
+  window, seq_len = f["window"], f["seq_len"]
+  if "L" not in f["pattern"] or (window or DEFAULT_WINDOW) <= seq_len:
+    return True
+  what = (f"--window={window} is" if window is not None else
+          f"--window, not given, defaults to {DEFAULT_WINDOW},")
+  raise flags.ValidationError(
+      f"--pattern={f['pattern']} has L layers, which attend to the last --window "
+      f"positions, but {what} more than --seq_len={seq_len}: pass --window={seq_len} "
+      "or less.")
+
+
+flags.register_multi_flags_validator(["window", "pattern", "seq_len"], _check_window)
 
 
 def _check_pipeline(f: dict[str, Any]) -> bool:
@@ -726,6 +784,31 @@ def check_model_flags(saved: dict[str, Any], cfg: model_lib.GPTConfig,
            f"Pass its values{', or a new --workdir to start afresh' if flag == '--resume' else ''}.")
 
 
+#: The flags that shape the optimizer state, as a checkpoint records them: a
+#: --resume with other values finds another optimizer's state.
+OPTIMIZER_FLAGS = {"optimizer": _OPTIMIZER, "freeze_layers": _FREEZE_LAYERS,
+                   "layer_lr_decay": _LAYER_LR_DECAY, "grad_clip": _GRAD_CLIP}
+
+
+def optimizer_flags_advice(meta: dict[str, Any], workdir: str) -> str:
+  """What to do when --resume finds another optimizer's state: the values
+  the checkpoint recorded, where they differ from this run's. Never to
+  delete it: the checkpoint is fine."""
+  saved = meta.get("optimizer", {})
+  differ = [n for n, flag in OPTIMIZER_FLAGS.items() if n in saved and saved[n] != flag.value]
+
+  def show(name: str, value: Any) -> str:
+    return f"--{name}={value if value != '' else repr(value)}"
+
+  fresh = (f"or, to train on with this run's optimizer, start a new run from its "
+           f"parameters: drop --resume, pass --init_from={workdir!r} and a new --workdir")
+  if not differ:
+    return f"Pass the values it was trained with, {fresh}."
+  return (f"It was trained with {' '.join(show(n, saved[n]) for n in differ)}, but this "
+          f"run has {' '.join(show(n, OPTIMIZER_FLAGS[n].value) for n in differ)}: pass "
+          f"its values, {fresh}.")
+
+
 def check_chars(checkpoint_chars: str, corpus_chars: str, workdir: str,
                 flag: str = "--resume") -> None:
   """Exits with one line if the corpus's characters are not the checkpoint's.
@@ -761,7 +844,8 @@ def check_init_from(init_step: int, init_meta: dict[str, Any], cfg: model_lib.GP
   check_model_flags(saved, cfg, _INIT_FROM.value, "--init_from", depth_too=False)
   old = saved.get("num_layers", cfg.num_layers)
   try:
-    init_map = depth_indices(_DEPTH_MAP.value, old, cfg.num_layers, len(cfg.pattern) or 1)
+    init_map = depth_indices(_DEPTH_MAP.value, old, cfg.num_layers, len(cfg.pattern) or 1,
+                             cfg.pattern)
   except ValueError as e:
     sys.exit(f"error: --init_from={_INIT_FROM.value!r}: {e}")
   last = _STEPS.value if _STOP_AFTER.value is None else _STOP_AFTER.value
@@ -966,6 +1050,8 @@ def set_up(argv) -> Run:
       params, opt_state = checkpoint.restore(
           workdir, resume_step, distributed.abstract_tree(param_shapes, param_shardings),
           distributed.abstract_tree(opt_shapes, opt_shardings))
+    except checkpoint.OptimizerStateError as e:
+      sys.exit(f"error: --resume: {e} {optimizer_flags_advice(resume_meta, workdir)}")
     except checkpoint.CheckpointError as e:
       sys.exit(f"error: --resume: {e}")
     start_step = resume_step
@@ -1037,6 +1123,7 @@ def set_up(argv) -> Run:
         "sampler_state": sampler.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                    if f.name not in ("remat", "pipeline", "layer_drop")},
+        "optimizer": {name: flag.value for name, flag in OPTIMIZER_FLAGS.items()},
         "chars": dataset.chars})
 
   if is_chief:
@@ -1165,6 +1252,7 @@ def finish(run: Run, params: Any) -> None:
     if prompt != _SAMPLE_PROMPT.value:
       logging.warning("--sample_prompt has characters outside the corpus; "
                       "sampling from %r instead.", prompt or dataset.chars[0])
+    sample_lib.warn_if_cut(prompt, run.cfg.seq_len, "--sample_prompt")
     (text,) = sample_lib.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
                                   _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
