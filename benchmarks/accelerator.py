@@ -1,52 +1,81 @@
-"""On an accelerator: how fast and how big is a training step, per stack and policy?
+"""On an accelerator: the scanned stack against the unrolled one, decode and offload against their floors.
 
-One prepared run (at most a few minutes on one GPU) of the example's GPT at
-the GPT-2-small shape (L=12, d=768, H=12, T=1024, batch 16, vocabulary 256,
-float32): one compiled ``value_and_grad`` step for each stack and policy
+One prepared run (at most 8 minutes on one TPU v5e chip) in three parts,
+each measured side by side in this one process, its contenders alternated:
 
-* ``st.BlockSeq`` (unrolled) and ``st.Stacked`` (scanned) with no remat,
-  ``st.Stacked`` with ``save_all`` (every value of every layer kept: what no
-  remat kept before a loop step learned to recompute elementwise values);
-* ``hk.layer_stack`` with no remat and over ``hk.remat``: the anchor;
-* ``full``, and the example's default (``full`` keeping the matmul outputs),
-  scanned and unrolled;
+* ``gpt``: the example's GPT (``examples/gpt/model.py``) at the GPT-2-small
+  shape (L=12, d=768, H=12, T=1024, vocabulary 256, batch 8, no biases): one
+  ``value_and_grad`` of ``loss_fn`` (no optimizer) for every stack and policy
+  of :data:`GPT_RUNS` (``st.BlockSeq`` and ``st.Stacked`` with no remat,
+  ``save_all``, ``full`` and the example's default; ``hk.layer_stack``, the
+  anchor), in float32 and in bfloat16 compute (float32 parameters, the model
+  run in bfloat16: :func:`compute_in`). Each: the median step, the compiled
+  temp memory, the compile time; a program that does not fit is recorded as
+  out of memory, with the bytes XLA says it needed.
+* ``decode``: one token at T/2 of a KV cache (L=24, d=1024, H=16, T=4096,
+  the cache donated), batch 8 and 1 in float32 and batch 8 in bfloat16, in
+  place (``st.per_layer(cache, in_place=True)``), unrolled (``st.BlockSeq``)
+  and sliced (scan xs/ys) against the floor, one jitted sum over the same
+  bytes (``benchmarks/decode.py``'s ``Point`` and ``measure``).
+* ``offload``: a residual MLP (width 2048, batch 8192, L=32, float32) and
+  the GPT at d=2048 with ``remat="full"`` against ``"offload"``: gradients
+  compared, device temp and host bytes from the compiled programs, and the
+  host link's bandwidth both ways (``jax.device_put`` to and from
+  ``memory_kind="pinned_host"``), from which the time that moving the
+  offloaded bytes out and back takes.
 
-each with its compiled temp memory, its compile time and its median step
-time; and a residual MLP (width 2048, batch 8192, L=32) with ``full`` against
-``offload``, whose device and host memory are read from the compiled program.
-All steps are compiled first, then timed in ``--rounds`` rounds that
-alternate their order (A B C, C B A, ...); a step's time is the median over
-rounds of the mean of ``--steps`` steps.
+Sizes are scaled to the device: a batch is halved until its float32 program
+(the unrolled GPT without remat, the decode cache, full's GPT at d=2048)
+fits in 80% of ``memory_stats()["bytes_limit"]``. The GPT steps are compiled
+first, then timed in ``--rounds`` rounds that alternate their order (A B C,
+C B A, ...); a step's time is the median over rounds of the mean of
+``--steps`` steps.
 
-  python benchmarks/gpu.py                 # on a GPU: a few minutes
-  python benchmarks/gpu.py --small         # on a CPU: tiny sizes, well under 2 minutes
-  python benchmarks/gpu.py --quick         # the smoke test (tinier still)
+  python benchmarks/accelerator.py           # on the accelerator: the published run
+  python benchmarks/accelerator.py --small   # every part at CPU sizes, under 2 minutes
+  python benchmarks/accelerator.py --quick   # the smoke test (tinier still)
 
-Writes ``benchmarks/results/gpu.json`` (``gpu_small.json`` with ``--small``)
-and the plot of step time against compiled temp memory, one point per
-configuration.
+Writes ``benchmarks/results/accelerator_<device>.json`` (``<device>``: the
+device's kind as a slug, ``tpu_v5_lite``, ``cpu``) after each part, so that a
+run cut short still reports what it measured, and at the end its plot
+``accelerator_<device>.png``; ``--small`` and ``--quick`` write into a
+scratch folder (``benchmarks/harness.py``) unless ``--results_dir`` is given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import json
+import re
 import sys
 import time
+import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 if __package__ in (None, ""):
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import haiku as hk  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import stacktools as st  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
+import stacktools as st
+from benchmarks import decode
+from benchmarks import fast_compile
+from benchmarks import harness
+from benchmarks import instruments
+from examples.gpt import model as model_lib
+# pylint: enable=wrong-import-position
 
-NAME = "gpu"
+NAME = "accelerator"
+PARTS = ("gpt", "decode", "offload")
+DTYPES = ("float32", "bfloat16")
 #: The example's default remat: full, keeping the matmul outputs.
 DEFAULT = st.CheckpointPolicy(save_block_internals=model_lib.KEPT_MATMUL_OUTPUTS)
 #: (label, stack, remat) of the GPT configurations, in the table's order.
@@ -60,174 +89,877 @@ GPT_RUNS = (
     ("Stacked, example default", "scan", DEFAULT),
     ("BlockSeq, example default", "unrolled", DEFAULT),
 )
-SIZES = {   # L, d, H, T, batch; MLP width, batch, L
-    "gpu": dict(layers=12, d_model=768, heads=12, seq_len=1024, batch=16,
-                mlp_width=2048, mlp_batch=8192, mlp_layers=32),
-    "small": dict(layers=4, d_model=64, heads=2, seq_len=64, batch=4,
-                  mlp_width=128, mlp_batch=256, mlp_layers=8),
-    "quick": dict(layers=2, d_model=32, heads=2, seq_len=16, batch=2,
-                  mlp_width=32, mlp_batch=16, mlp_layers=4),
+#: (label of the scanned run, label of the unrolled run) whose ratios are reported.
+RATIOS = {"none": ("Stacked, none", "BlockSeq (unrolled), none"),
+          "example default": ("Stacked, example default", "BlockSeq, example default")}
+#: Decode's contenders, each against the floor.
+DECODED = ("in_place", "unrolled", "sliced")
+#: The share of the device's memory a program's batch is fitted into.
+FIT = 0.8
+SIZES = {
+    "accelerator": {
+        "gpt": dict(layers=12, d_model=768, heads=12, seq_len=1024, batch=8),
+        "decode": dict(layers=24, d_model=1024, heads=16, seq_len=4096,
+                       points=((8, "float32"), (1, "float32"), (8, "bfloat16"))),
+        "mlp": dict(width=2048, batch=8192, layers=32),
+        "wide_gpt": dict(layers=8, d_model=2048, heads=16, seq_len=1024, batch=8),
+        "link_bytes": 2**30,
+    },
+    "small": {
+        "gpt": dict(layers=4, d_model=64, heads=2, seq_len=64, batch=4),
+        "decode": dict(layers=4, d_model=64, heads=2, seq_len=256,
+                       points=((4, "float32"), (1, "float32"), (4, "bfloat16"))),
+        "mlp": dict(width=128, batch=256, layers=8),
+        "wide_gpt": dict(layers=2, d_model=128, heads=4, seq_len=64, batch=4),
+        "link_bytes": 2**24,
+    },
+    "quick": {
+        "gpt": dict(layers=2, d_model=32, heads=2, seq_len=16, batch=2),
+        "decode": dict(layers=2, d_model=32, heads=2, seq_len=32,
+                       points=((2, "float32"), (1, "float32"), (2, "bfloat16"))),
+        "mlp": dict(width=32, batch=16, layers=4),
+        "wide_gpt": dict(layers=2, d_model=64, heads=2, seq_len=16, batch=2),
+        "link_bytes": 2**20,
+    },
 }
+VOCAB = 256
+QUICK = ["--rounds", "2", "--steps", "1", "--calls", "1"]
 
 
-def gpt_step(label: str, stack: str, remat: Any, size: dict[str, int]):
-  """``(step, params, tokens)`` of one GPT configuration."""
-  cfg = model_lib.GPTConfig(
-      vocab_size=256, seq_len=size["seq_len"], num_layers=size["layers"],
+# ---------------------------------------------------------------------------
+# The device: its name, its memory, and what does not fit in it.
+
+
+def device_slug(kind: Optional[str] = None) -> str:
+  """The device's kind as a file-name slug: ``"TPU v5 lite"`` -> ``"tpu_v5_lite"``."""
+  kind = jax.devices()[0].device_kind if kind is None else kind
+  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "device"
+
+
+def result_name() -> str:
+  """``accelerator_<device>``: the JSON's and the plot's name."""
+  return f"{NAME}_{device_slug()}"
+
+
+def bytes_limit() -> Optional[int]:
+  """The device's memory in bytes, where JAX reports it (not on CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_NEEDED = (r"Used ([\d.]+)\s*([KMGT]?)i?B? of",            # XLA:TPU, compiling
+           r"allocat\w* ([\d.]+)\s*([KMGT]?)i?B?\b",       # allocating at run time
+           r"([\d]+)() bytes")
+
+
+def out_of_memory(error: BaseException) -> Optional[dict[str, Any]]:
+  """``{"bytes_needed", "message"}`` when ``error`` says the device's memory
+  was exhausted (compiling or running), else ``None``."""
+  text = str(error)
+  if not re.search(r"RESOURCE_EXHAUSTED|out of memory|ran out of memory", text, re.I):
+    return None
+  needed = None
+  for pattern in _NEEDED:
+    m = re.search(pattern, text)
+    if m:
+      needed = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+      break
+  line = next((l for l in text.splitlines() if l.strip()), text)
+  return {"bytes_needed": needed, "message": line.strip()[:400]}
+
+
+def failure(error: BaseException) -> dict[str, Any]:
+  """What a configuration that raised records: out of memory, or the error."""
+  oom = out_of_memory(error)
+  if oom is not None:
+    return {"out_of_memory": oom}
+  traceback.print_exc()
+  return {"error": f"{type(error).__name__}: {str(error).strip()[:400]}"}
+
+
+def needed_bytes(compiled) -> int:
+  """Device bytes a compiled program holds while it runs: its arguments,
+  outputs (less the aliased ones) and temp."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+
+
+def memory_of(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return {"temp_bytes": int(m.temp_size_in_bytes),
+          "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes),
+          "host_temp_bytes": int(getattr(m, "host_temp_size_in_bytes", 0) or 0)}
+
+
+def fit_batch(batch: int, build: Callable[[int], Any], limit: Optional[int],
+              log: str) -> tuple[int, Optional[tuple[Any, float]], list[dict[str, Any]]]:
+  """The largest of ``batch``, ``batch/2``, ... whose program fits in
+  :data:`FIT` of ``limit``: ``(batch, (compiled, compile seconds) or None,
+  the tries)``.
+
+  ``build(batch)`` compiles the program; without a limit (CPU) nothing is
+  compiled and ``batch`` is kept.
+  """
+  tries = []
+  if limit is None:
+    return batch, None, tries
+  while True:
+    try:
+      start = time.perf_counter()
+      compiled = build(batch)
+      seconds = time.perf_counter() - start
+      need = needed_bytes(compiled)
+      tries.append({"batch": batch, "needed_bytes": need})
+      if need <= FIT * limit or batch == 1:
+        return batch, (compiled, seconds), tries
+    except Exception as e:  # pylint: disable=broad-except
+      if out_of_memory(e) is None or batch == 1:
+        raise
+      tries.append({"batch": batch, **failure(e)})
+    harness.log(f"{log}: batch {batch} does not fit in {FIT:.0%} of "
+                f"{limit / 2**30:.1f} GiB; halving")
+    batch //= 2
+
+
+# ---------------------------------------------------------------------------
+# Steps: compiled, then timed in alternated rounds.
+
+
+@dataclasses.dataclass
+class Run:
+  """One configuration: its record (what the JSON keeps) and its step."""
+
+  record: dict[str, Any]
+  compiled: Any = None
+  args: tuple[Any, ...] = ()
+
+  @property
+  def ok(self) -> bool:
+    return self.compiled is not None
+
+
+def compile_run(record: dict[str, Any], fn: Callable[..., Any], args: tuple[Any, ...],
+                options, fitted: Optional[tuple[Any, float]] = None) -> Run:
+  """Compiles ``jax.jit(fn)`` for ``args`` (or takes ``fitted``, a program
+  :func:`fit_batch` compiled, and its seconds), warms it up and records its
+  memory and compile seconds; a failure is recorded."""
+  run = Run(record, args=args)
+  try:
+    start = time.perf_counter()
+    if fitted is None:
+      compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+      record["compile_s"] = time.perf_counter() - start
+    else:
+      compiled, record["compile_s"] = fitted
+    record.update(memory_of(compiled))
+    instruments.block(compiled(*args))   # warm-up: the first call allocates
+    run.compiled = compiled
+  except Exception as e:  # pylint: disable=broad-except
+    record.update(failure(e))
+  harness.log(f"  {describe(record)}")
+  return run
+
+
+def describe(record: dict[str, Any]) -> str:
+  label = f"{record['label']} [{record.get('dtype', 'float32')}]"
+  if "out_of_memory" in record:
+    return f"{label:44s} {oom_text(record)}"
+  if "error" in record:
+    return f"{label:44s} error: {record['error'][:120]}"
+  return (f"{label:44s} temp {record['temp_bytes'] / 2**30:8.3f} GiB  "
+          f"compile {record['compile_s']:5.1f} s")
+
+
+def time_runs(runs: list[Run], rounds: int, steps: int) -> None:
+  """Each run's ``step_s``: the median over rounds of its mean step, the
+  rounds alternating the order (A B C, C B A, ...)."""
+  live = [r for r in runs if r.ok]
+  times: dict[int, list[float]] = {id(r): [] for r in live}
+  for i in range(rounds):
+    for run in (live if i % 2 == 0 else live[::-1]):
+      if not run.ok:
+        continue
+      start = time.perf_counter()
+      try:
+        out = None
+        for _ in range(steps):
+          out = run.compiled(*run.args)
+        instruments.block(out)
+      except Exception as e:  # pylint: disable=broad-except
+        run.record.update(failure(e))
+        run.compiled = out = None
+        harness.log(f"  {describe(run.record)}")
+        continue
+      times[id(run)].append((time.perf_counter() - start) / steps)
+  live = [r for r in live if r.ok]
+  for run in live:
+    run.record["step_s"] = instruments.median(times[id(run)])
+    run.record["step_s_rounds"] = times[id(run)]
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+  """The largest absolute difference between two pytrees' leaves."""
+  return float(max(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+# ---------------------------------------------------------------------------
+# Part 1: the GPT, every stack and policy, float32 and bfloat16 compute.
+
+
+#: Whether the example's GPTConfig has a compute dtype of its own (its mixed
+#: precision, through jmp policies).
+OWN_PRECISION = "dtype" in {f.name for f in dataclasses.fields(model_lib.GPTConfig)}
+
+
+def compute_in(cfg: model_lib.GPTConfig, dtype: str):
+  """``(cfg, cast, scope)``: the GPT of ``cfg`` run in ``dtype`` over float32
+  parameters (bfloat16 compute; float32 is ``cfg`` as it is).
+
+  Where the example has a mixed precision of its own (``GPTConfig.dtype``),
+  the config says it, ``cast`` is the identity and ``scope(cfg)`` is its
+  ``precision`` (for the model built by hand here, ``hk.layer_stack``'s);
+  without it, ``cast`` turns the parameters to ``dtype`` inside the loss, so
+  the whole model runs in ``dtype``. Either way the gradients are float32.
+  """
+  if dtype == "float32":
+    return cfg, lambda params: params, lambda cfg: contextlib.nullcontext()
+  if OWN_PRECISION:
+    return (dataclasses.replace(cfg, dtype=dtype), lambda params: params,
+            model_lib.precision)
+  cast = lambda params: jax.tree.map(lambda a: a.astype(dtype), params)  # noqa: E731
+  return cfg, cast, lambda cfg: contextlib.nullcontext()
+
+
+def gpt_config(size: dict[str, int], stack: str, remat: Any) -> model_lib.GPTConfig:
+  return model_lib.GPTConfig(
+      vocab_size=VOCAB, seq_len=size["seq_len"], num_layers=size["layers"],
       num_heads=size["heads"], d_model=size["d_model"], bias=False,
       stack="unrolled" if stack == "unrolled" else "scan",
       remat=False if stack == "hk_layer_stack" else remat)
+
+
+def gpt_loss(size: dict[str, int], stack: str, remat: Any, dtype: str):
+  """``(transformed, loss)``: the model's ``hk.transform`` and the float32
+  ``loss(params, tokens)`` of one configuration."""
+  cfg, cast, scope = compute_in(gpt_config(size, stack, remat), dtype)
   if stack == "hk_layer_stack":
     def loss(tokens):
-      embed, head = model_lib._ends(cfg)  # pylint: disable=protected-access
-      x = embed(tokens[:, :-1])
-      block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
-      if remat is not None:
-        block = hk.remat(block)
-      x = hk.layer_stack(cfg.num_layers, name="h")(block)(x)
-      logits = head(x)
+      with scope(cfg):
+        embed, head = model_lib._ends(cfg)  # pylint: disable=protected-access
+        x = embed(tokens[:, :-1])
+        block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
+        if remat is not None:
+          block = hk.remat(block)
+        x = hk.layer_stack(cfg.num_layers, name="h")(block)(x)
+        logits = head(x).astype(jnp.float32)
       nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)
       return jnp.mean(nll)
   else:
     loss = lambda tokens: model_lib.loss_fn(cfg, tokens)[0]  # noqa: E731
   transformed = hk.transform(loss)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (size["batch"], cfg.seq_len + 1),
-                              0, cfg.vocab_size)
-  params = transformed.init(jax.random.PRNGKey(0), tokens)
-  step = jax.jit(jax.value_and_grad(lambda p, t: transformed.apply(p, None, t)))
-  del label
-  return step, params, tokens
+  return transformed, lambda p, t: transformed.apply(cast(p), None, t).astype(jnp.float32)
 
 
-def mlp_step(remat: str, size: dict[str, int]):
-  """``(step, params, x)`` of the residual MLP: a pure-JAX ``st.fold``."""
-  width, layers = size["mlp_width"], size["mlp_layers"]
-  ws = jax.random.normal(jax.random.PRNGKey(0), (layers, width, width)) / width ** 0.5
-  x = jax.random.normal(jax.random.PRNGKey(1), (size["mlp_batch"], width))
-  layer = lambda h, w: h + jnp.tanh(h @ w)  # noqa: E731
-  loss = lambda ws, x: jnp.mean(st.fold(layer, remat=remat)(x, ws) ** 2)  # noqa: E731
-  return jax.jit(jax.value_and_grad(loss)), ws, x
+def gpt_tokens(size: dict[str, int], batch: int) -> jax.Array:
+  return jax.random.randint(jax.random.PRNGKey(1), (batch, size["seq_len"] + 1), 0, VOCAB)
 
 
-def compile_all(size: dict[str, int], with_offload: bool) -> list[dict[str, Any]]:
-  """Every configuration compiled, with its memory and compile seconds."""
-  runs = []
-  plans: list[tuple[str, str, Callable[[], tuple[Any, Any, Any]]]] = [
-      (label, "gpt", lambda l=label, s=stack, r=remat: gpt_step(l, s, r, size))
-      for label, stack, remat in GPT_RUNS]
-  plans.append(("MLP, full", "mlp", lambda: mlp_step("full", size)))
-  if with_offload:
-    plans.append(("MLP, offload", "mlp", lambda: mlp_step("offload", size)))
-  for label, model, build in plans:
-    step, params, batch = build()
-    start = time.perf_counter()
-    compiled = step.lower(params, batch).compile()
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    instruments.block(compiled(params, batch))   # warm-up
-    runs.append({"label": label, "model": model, "compiled": compiled,
-                 "args": (params, batch), "compile_s": seconds,
-                 "temp_bytes": int(memory.temp_size_in_bytes),
-                 "host_temp_bytes": int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)})
-    harness.log(f"{label:32s} temp {runs[-1]['temp_bytes'] / 2**30:8.3f} GiB  "
-                f"compile {seconds:5.1f} s")
-  return runs
+class GPTParams:
+  """Float32 parameters, one set per layout (scanned, unrolled, hk.layer_stack),
+  shared by every configuration of that layout."""
+
+  def __init__(self, size: dict[str, int]):
+    self.size, self.sets = size, {}
+
+  def get(self, stack: str) -> Any:
+    if stack not in self.sets:
+      transformed, _ = gpt_loss(self.size, stack, "none", "float32")
+      self.sets[stack] = jax.jit(transformed.init)(jax.random.PRNGKey(0),
+                                                   gpt_tokens(self.size, 1))
+    return self.sets[stack]
 
 
-def time_all(runs: list[dict[str, Any]], rounds: int, steps: int) -> None:
-  """Median over rounds of each run's mean step, rounds alternating order."""
-  times: dict[str, list[float]] = {r["label"]: [] for r in runs}
-  for i in range(rounds):
-    for run in (runs if i % 2 == 0 else runs[::-1]):
-      compiled, args = run["compiled"], run["args"]
-      start = time.perf_counter()
-      out = None
-      for _ in range(steps):
-        out = compiled(*args)
-      instruments.block(out)
-      times[run["label"]].append((time.perf_counter() - start) / steps)
-  for run in runs:
-    run["step_s"] = instruments.median(times[run["label"]])
-    run["step_s_rounds"] = times[run["label"]]
+def gpt_part(part: dict[str, Any], size: dict[str, int], args, options,
+             limit: Optional[int], report: Callable[[], None]) -> None:
+  """Every configuration of :data:`GPT_RUNS` in each of :data:`DTYPES`, into
+  ``part``; ``report()`` after each dtype."""
+  params = GPTParams(size)
+  label, stack, remat = GPT_RUNS[0]
+  step = lambda dtype, stack, remat: jax.value_and_grad(  # noqa: E731
+      gpt_loss(size, stack, remat, dtype)[1])
+  batch, fitted, tries = fit_batch(
+      size["batch"], lambda b: jax.jit(step("float32", stack, remat)).lower(
+          params.get(stack), gpt_tokens(size, b)).compile(compiler_options=options),
+      limit, "gpt")
+  part.update({"size": {**size, "batch": batch}, "batch_fitting": tries,
+               "bf16_compute": ("GPTConfig.dtype (the example's jmp mixed precision)"
+                                if OWN_PRECISION else "float32 parameters cast to "
+                                "bfloat16 inside the loss"), "runs": []})
+  tokens = gpt_tokens(size, batch)
+  for dtype in DTYPES:
+    harness.log(f"gpt, {dtype}, batch {batch}: compiling")
+    runs = []
+    for label, stack, remat in GPT_RUNS:
+      record = {"label": label, "stack": stack, "remat": remat_label(remat),
+                "dtype": dtype, "batch": batch}
+      given = fitted if (dtype, label) == ("float32", GPT_RUNS[0][0]) else None
+      runs.append(compile_run(record, step(dtype, stack, remat),
+                              (params.get(stack), tokens), options, given))
+    harness.log(f"gpt, {dtype}: timing {sum(r.ok for r in runs)} steps, "
+                f"{args.rounds} rounds of {args.steps}")
+    time_runs(runs, args.rounds, args.steps)
+    part["runs"] += [r.record for r in runs]
+    for r in runs:
+      if "step_s" in r.record:
+        harness.log(f"  {r.record['label']:32s} [{dtype}] {1e3 * r.record['step_s']:8.1f} ms")
+    del runs
+    fitted = None
+    gc.collect()
+    report()
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-  by = {r["label"]: r for r in runs}
-  unrolled, scanned = by["BlockSeq (unrolled), none"], by["Stacked, none"]
-  out = {"scan_over_unrolled_step": scanned["step_s"] / unrolled["step_s"],
-         "scan_over_unrolled_temp": scanned["temp_bytes"] / unrolled["temp_bytes"],
-         "save_all_over_unrolled_step": by["Stacked, save_all"]["step_s"] / unrolled["step_s"]}
-  if "MLP, offload" in by:
-    out["offload_over_full_step"] = by["MLP, offload"]["step_s"] / by["MLP, full"]["step_s"]
+def remat_label(remat: Any) -> str:
+  if remat is DEFAULT:
+    return "example default (full, keeping the matmul outputs)"
+  return "none" if remat is None else str(remat)
+
+
+# ---------------------------------------------------------------------------
+# Part 2: decode in place, unrolled and sliced against the floor.
+
+
+def decode_part(part: dict[str, Any], size: dict[str, Any], args, options,
+                limit: Optional[int], report: Callable[[], None]) -> None:
+  """One token at T/2 at each (batch, dtype) of ``size["points"]``, into
+  ``part``; ``report()`` after each."""
+  point_args = types.SimpleNamespace(
+      vocab_size=VOCAB, num_layers=size["layers"], num_heads=size["heads"],
+      d_model=size["d_model"], rounds=args.rounds, calls=args.calls)
+  seq_len = size["seq_len"]
+  part.update({"size": {k: v for k, v in size.items() if k != "points"}, "rows": []})
+  for batch, dtype in size["points"]:
+    fitted = decode_batch(point_args, batch, seq_len, dtype, limit)
+    row = {"batch": fitted, "batch_asked": batch, "dtype": dtype, "seq_len": seq_len,
+           "pos": seq_len // 2, "memory": {}, "out_of_memory": {}}
+    harness.log(f"decode, batch {fitted}, {dtype}, T={seq_len}")
+    # All three side by side; if that does not fit, the sliced form (a second
+    # cache) on its own.
+    measured_names: set[str] = set()
+    for group in (DECODED, DECODED[:2], DECODED[2:]):
+      if measured_names >= set(group):
+        continue
+      try:
+        point = decode.Point(point_args, fitted, seq_len, options,
+                             names=group + ("floor",), pos=seq_len // 2,
+                             dtype=jnp.dtype(dtype), share_cache=True)
+        measured = decode.measure(point, point_args, names=group + ("floor",))
+        row["cache_bytes"] = point.cache_bytes
+        row["param_bytes"] = decode.cache_bytes(point.params["floor"])
+        row["memory"].update(point.memory)
+        floor = measured.pop("floor_ms")
+        if "floor_ms" in row:
+          row["floor_ms_beside_sliced"] = floor
+        else:
+          row["floor_ms"] = floor
+        row.update(measured)
+        measured_names.update(group)
+        for name in group:
+          row["out_of_memory"].pop(name, None)
+      except Exception as e:  # pylint: disable=broad-except
+        problem = failure(e)
+        for name in group:
+          row["out_of_memory"][name] = problem.get("out_of_memory") or problem
+      point = None
+      gc.collect()
+    row["ratios_to_floor"] = {n: row[f"{n}_ms"] / row["floor_ms"] for n in DECODED
+                              if f"{n}_ms" in row and "floor_ms" in row}
+    part["rows"].append(row)
+    harness.log("  " + ", ".join(f"{n} {row[f'{n}_ms']:.2f} ms" for n in ("floor",) + DECODED
+                                 if f"{n}_ms" in row)
+                + "".join(f"; {n} out of memory" for n in row["out_of_memory"]))
+    report()
+
+
+def decode_batch(point_args, batch: int, seq_len: int, dtype: str,
+                 limit: Optional[int]) -> int:
+  """``batch``, halved while one cache and two copies of the parameters (the
+  scanned and the unrolled layout) would not fit in :data:`FIT` of ``limit``."""
+  cfg = model_lib.GPTConfig(vocab_size=VOCAB, seq_len=seq_len,
+                            num_layers=point_args.num_layers, num_heads=point_args.num_heads,
+                            d_model=point_args.d_model)
+  forward = hk.transform(lambda t: model_lib.forward(cfg, t)[0])
+  params = jax.eval_shape(forward.init, jax.random.PRNGKey(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  itemsize = jnp.dtype(dtype).itemsize
+  param_bytes = decode.cache_bytes(params) // 4 * itemsize
+  while limit is not None and batch > 1:
+    cache = jax.eval_shape(lambda b=batch: model_lib.init_cache(cfg, b, jnp.dtype(dtype)))
+    if decode.cache_bytes(cache) + 2 * param_bytes <= FIT * limit:
+      break
+    batch //= 2
+  return batch
+
+
+# ---------------------------------------------------------------------------
+# Part 3: offload against full, and the host link.
+
+
+def host_link(nbytes: int, reps: int) -> dict[str, Any]:
+  """The host link's bandwidth both ways: the median seconds of
+  ``jax.device_put`` of ``nbytes`` to ``memory_kind="pinned_host"`` and back."""
+  device = jax.devices()[0]
+  out: dict[str, Any] = {"bytes": nbytes, "reps": reps, "device_to_host_gb_s": None,
+                         "host_to_device_gb_s": None}
+  kinds = sorted(m.kind for m in device.addressable_memories())
+  if jax.default_backend() == "cpu":
+    out["why_not"] = ("CPU backend: the device's memory is the host's, there is no "
+                      "link between them to measure")
+    return out
+  if "pinned_host" not in kinds:
+    out["why_not"] = f"{device.device_kind} has no pinned_host memory (it has {kinds})"
+    return out
+  on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device)
+  times: dict[str, list[float]] = {"device_to_host": [], "host_to_device": []}
+  y = jax.block_until_ready(jax.device_put(x, on_host))      # warm both ways
+  jax.block_until_ready(jax.device_put(y, on_device))
+  for _ in range(reps):
+    seconds, y = instruments.timed(lambda: jax.device_put(x, on_host))
+    times["device_to_host"].append(seconds)
+    seconds, z = instruments.timed(lambda: jax.device_put(y, on_device))
+    times["host_to_device"].append(seconds)
+    del z
+  for way, ts in times.items():
+    out[f"{way}_s"] = ts
+    out[f"{way}_gb_s"] = nbytes / instruments.median(ts) / 1e9
+  out["memory_kinds"] = kinds
   return out
 
 
+def mlp_step(remat: str, size: dict[str, int]):
+  """``(loss, (ws, x))`` of the residual MLP ``h + tanh(h @ w)``: a pure-JAX ``st.fold``."""
+  width, layers = size["width"], size["layers"]
+  ws = jax.random.normal(jax.random.PRNGKey(0), (layers, width, width)) / width ** 0.5
+  x = jax.random.normal(jax.random.PRNGKey(1), (size["batch"], width))
+  layer = lambda h, w: h + jnp.tanh(h @ w)  # noqa: E731
+  loss = lambda ws, x: jnp.mean(st.fold(layer, remat=remat)(x, ws) ** 2)  # noqa: E731
+  return jax.value_and_grad(loss), (ws, x)
+
+
+def full_against_offload(model: str, steps: dict[str, tuple[Callable, tuple]], args,
+                         options, fitted=None) -> dict[str, Any]:
+  """``full`` and ``offload`` compiled, their gradients compared, timed alternated."""
+  runs = {}
+  for remat in ("full", "offload"):
+    fn, inputs = steps[remat]
+    runs[remat] = compile_run({"label": f"{model}, {remat}", "remat": remat}, fn, inputs,
+                              options, fitted if remat == "full" else None)
+  out = {remat: run.record for remat, run in runs.items()}
+  if all(r.ok for r in runs.values()):
+    (loss_f, grads_f), (loss_o, grads_o) = (r.compiled(*r.args) for r in runs.values())
+    out["loss_abs_diff"] = abs(float(loss_f) - float(loss_o))
+    out["grads_max_abs_diff"] = max_abs_diff(grads_f, grads_o)
+    out["grads_max_abs"] = float(max(np.max(np.abs(np.asarray(g))) for g in
+                                     jax.tree.leaves(grads_f)))
+    del grads_f, grads_o
+  time_runs(list(runs.values()), args.rounds, args.steps)
+  if all("step_s" in r for r in (out["full"], out["offload"])):
+    out["offload_over_full_step"] = out["offload"]["step_s"] / out["full"]["step_s"]
+  harness.log(f"  {model}: " + ", ".join(
+      f"{remat} {1e3 * out[remat]['step_s']:.1f} ms" for remat in ("full", "offload")
+      if "step_s" in out[remat]))
+  return out
+
+
+def with_transfer(result: dict[str, Any], link: dict[str, Any]) -> dict[str, Any]:
+  """Adds the time moving the offloaded bytes out and back takes at the
+  measured bandwidths, and offload's step over the larger of it and full's."""
+  host = result["offload"].get("host_temp_bytes")
+  out, back = link["device_to_host_gb_s"], link["host_to_device_gb_s"]
+  if not host or out is None or back is None:
+    result["transfer_s"] = None
+    result["why_no_transfer"] = ("no bytes offloaded to host memory" if not host
+                                 else link.get("why_not", "bandwidth not measured"))
+    return result
+  result["transfer_s"] = host / (out * 1e9) + host / (back * 1e9)
+  if "step_s" in result["offload"] and "step_s" in result["full"]:
+    result["offload_over_max_full_transfer"] = result["offload"]["step_s"] / max(
+        result["full"]["step_s"], result["transfer_s"])
+  return result
+
+
+def offload_part(part: dict[str, Any], sizes: dict[str, Any], args, options,
+                 limit: Optional[int], report: Callable[[], None]) -> None:
+  """The host link, then full against offload on the residual MLP and on the
+  wide GPT, into ``part``; ``report()`` after each."""
+  harness.log("offload: the host link")
+  link = host_link(min(sizes["link_bytes"], int(0.1 * limit) if limit else sizes["link_bytes"]),
+                   reps=5)
+  if link["device_to_host_gb_s"] is not None:
+    harness.log(f"  device->host {link['device_to_host_gb_s']:.1f} GB/s, "
+                f"host->device {link['host_to_device_gb_s']:.1f} GB/s")
+  else:
+    harness.log(f"  not measured: {link['why_not']}")
+  part["link"] = link
+  harness.log("offload: residual MLP")
+  mlp = sizes["mlp"]
+  part["mlp"] = with_transfer(full_against_offload(
+      "MLP", {r: mlp_step(r, mlp) for r in ("full", "offload")}, args, options), link)
+  part["mlp"]["size"] = mlp
+  gc.collect()
+  report()
+
+  wide = sizes["wide_gpt"]
+  harness.log(f"offload: GPT at d={wide['d_model']}")
+  params = GPTParams(wide)
+  step = lambda remat: jax.value_and_grad(  # noqa: E731
+      gpt_loss(wide, "scan", remat, "float32")[1])
+  batch, fitted, tries = fit_batch(
+      wide["batch"], lambda b: jax.jit(step("full")).lower(
+          params.get("scan"), gpt_tokens(wide, b)).compile(compiler_options=options),
+      limit, "wide gpt")
+  tokens = gpt_tokens(wide, batch)
+  part["wide_gpt"] = with_transfer(full_against_offload(
+      f"GPT d={wide['d_model']}",
+      {r: (step(r), (params.get("scan"), tokens)) for r in ("full", "offload")},
+      args, options, fitted), link)
+  part["wide_gpt"]["size"] = {**wide, "batch": batch}
+  part["wide_gpt"]["batch_fitting"] = tries
+  del params, fitted
+  gc.collect()
+
+
+# ---------------------------------------------------------------------------
+# The summary, the page's tables and the plot.
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+  return None if a is None or b is None else a / b
+
+
+def summarise(payload: dict[str, Any]) -> dict[str, Any]:
+  """The ratios the issue's goals are stated in (``None``: not measured)."""
+  out: dict[str, Any] = {}
+  goals: dict[str, Optional[bool]] = {}
+  if payload.get("gpt"):
+    by = {(r["label"], r["dtype"]): r for r in payload["gpt"].get("runs", [])}
+    gpt = {}
+    for dtype in DTYPES:
+      for key, (scanned, unrolled) in RATIOS.items():
+        s, u = by.get((scanned, dtype), {}), by.get((unrolled, dtype), {})
+        gpt[f"{dtype}, {key}"] = {
+            "stacked_over_blockseq_step": _ratio(s.get("step_s"), u.get("step_s")),
+            "stacked_over_blockseq_temp": _ratio(s.get("temp_bytes"), u.get("temp_bytes"))}
+      none = gpt[f"{dtype}, none"]
+      goals[f"gpt {dtype}: Stacked none <= 1.05x BlockSeq (step and temp)"] = (
+          None if None in none.values() else max(none.values()) <= 1.05)
+    default = gpt["float32, example default"]["stacked_over_blockseq_step"]
+    goals["gpt float32: example default scanned <= 1.0x unrolled (step)"] = (
+        None if default is None else default <= 1.0)
+    out["gpt"] = gpt
+  if payload.get("decode"):
+    rows = payload["decode"].get("rows", [])
+    out["decode"] = {f"batch {r['batch']}, {r['dtype']}": {
+        **{f"{n}_over_floor": r["ratios_to_floor"].get(n) for n in DECODED},
+        "in_place_over_unrolled": _ratio(r.get("in_place_ms"), r.get("unrolled_ms"))}
+                     for r in rows}
+    ratios = [v for v in out["decode"].values()]
+    goals["decode: in place <= 1.2x the floor"] = (
+        None if not ratios or any(v["in_place_over_floor"] is None for v in ratios)
+        else all(v["in_place_over_floor"] <= 1.2 for v in ratios))
+    goals["decode: in place <= unrolled"] = (
+        None if not ratios or any(v["in_place_over_unrolled"] is None for v in ratios)
+        else all(v["in_place_over_unrolled"] <= 1.0 for v in ratios))
+  if payload.get("offload"):
+    part = payload["offload"]
+    out["offload"] = {
+        "mlp_offload_over_full_step": part.get("mlp", {}).get("offload_over_full_step"),
+        "mlp_offload_over_max_full_transfer":
+            part.get("mlp", {}).get("offload_over_max_full_transfer"),
+        "wide_gpt_offload_over_full_step":
+            part.get("wide_gpt", {}).get("offload_over_full_step"),
+        "device_to_host_gb_s": part.get("link", {}).get("device_to_host_gb_s"),
+        "host_to_device_gb_s": part.get("link", {}).get("host_to_device_gb_s")}
+    compared = [part[k] for k in ("mlp", "wide_gpt") if k in part]
+    r = out["offload"]["mlp_offload_over_max_full_transfer"]
+    goals["offload MLP: <= 1.15x max(full, transfer)"] = None if r is None else r <= 1.15
+    r = out["offload"]["wide_gpt_offload_over_full_step"]
+    goals["offload GPT d=2048: <= 1.2x full"] = None if r is None else r <= 1.2
+    goals["offload: gradients equal full's (within 1e-5 of their largest)"] = (
+        None if not compared or any(m.get("grads_max_abs_diff") is None for m in compared)
+        else all(m["grads_max_abs_diff"] <= 1e-5 * max(1.0, m["grads_max_abs"])
+                 for m in compared))
+  out["goals"] = goals
+  return out
+
+
+def _gib(n: Optional[float]) -> str:
+  return "" if n is None else f"{n / 2**30:.2f}"
+
+
+def oom_text(record: dict[str, Any]) -> str:
+  needed = record["out_of_memory"].get("bytes_needed")
+  return ("out of memory" + (f" ({needed / 2**30:.1f} GiB needed)" if needed else ""))
+
+
+def _cells(record: Optional[dict[str, Any]]) -> list[str]:
+  """step ms | temp GiB | compile s of one run (one cell saying why if it failed)."""
+  if record is None:
+    return ["", "", ""]
+  if "out_of_memory" in record:
+    return [oom_text(record), "", ""]
+  if "error" in record:
+    return ["error", "", ""]
+  return [f"{1e3 * record['step_s']:.1f}" if "step_s" in record else "",
+          _gib(record.get("temp_bytes")), f"{record['compile_s']:.1f}"]
+
+
+def run_table(payload: dict[str, Any]) -> list[str]:
+  """The row every benchmark page starts with: when, on what, how long."""
+  env = payload["environment"]
+  devices = f"{jax.device_count()} x {env['device']}" if env["backend"] != "cpu" else (
+      f"{env['cpu_count']} CPU cores")
+  return ["| run | machine | versions | took |", "|---|---|---|---|",
+          f"| {env['date_utc'].replace('T', ' ')[:16]} UTC | {devices}; "
+          f"{env['backend']} backend, {env['platform'].split('-')[0]} | "
+          f"Python {env['python']}, jax {env['jax']}, dm-haiku {env['dm_haiku']} | "
+          f"{payload.get('seconds', 0):.0f} s |"]
+
+
 def markdown(payload: dict[str, Any]) -> str:
-  env = payload.get("environment", {})
-  lines = [f"**{payload['preset']}**: {payload['shape']} "
-           f"({env.get('device', jax.devices()[0].device_kind)}, jax {jax.__version__})", "",
-           "| configuration | step ms | compiled temp GiB | host temp GiB | compile s |",
-           "|---|---:|---:|---:|---:|"]
-  for r in payload["runs"]:
-    lines.append(f"| {r['label']} | {1e3 * r['step_s']:.1f} | {r['temp_bytes'] / 2**30:.3f} | "
-                 f"{r['host_temp_bytes'] / 2**30:.3f} | {r['compile_s']:.1f} |")
-  s = payload["summary"]
-  lines += ["", f"Scanned over unrolled, no remat: step {s['scan_over_unrolled_step']:.2f}x, "
-            f"temp {s['scan_over_unrolled_temp']:.2f}x; save_all (what no remat kept "
-            f"before) {s['save_all_over_unrolled_step']:.2f}x the unrolled step."]
-  if "offload_over_full_step" in s:
-    lines.append(f"MLP offload over full: {s['offload_over_full_step']:.2f}x the step.")
-  return "\n".join(lines)
+  lines = run_table(payload) + ["", "```bash", payload["command"], "```", ""]
+  summary = payload.get("summary") or summarise(payload)
+  if payload.get("gpt", {}).get("runs"):
+    gpt = payload["gpt"]
+    size = gpt["size"]
+    by = {(r["label"], r["dtype"]): r for r in gpt["runs"]}
+    lines += [f"**GPT, one `value_and_grad` step** (L={size['layers']}, d={size['d_model']}, "
+              f"H={size['heads']}, T={size['seq_len']}, vocabulary {VOCAB}, batch "
+              f"{size['batch']}; bf16: {gpt['bf16_compute']}; median of "
+              f"{payload['config']['rounds']} alternated rounds):", "",
+              "| stack, remat | f32 step ms | f32 temp GiB | f32 compile s | "
+              "bf16 step ms | bf16 temp GiB | bf16 compile s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, _, _ in GPT_RUNS:
+      lines.append(f"| {label} | " + " | ".join(
+          _cells(by.get((label, "float32"))) + _cells(by.get((label, "bfloat16")))) + " |")
+    ratios = [f"{key}: step {_x(r['stacked_over_blockseq_step'])}, temp "
+              f"{_x(r['stacked_over_blockseq_temp'])}" for key, r in summary["gpt"].items()]
+    lines += ["", "Stacked over BlockSeq: " + "; ".join(ratios) + ".", ""]
+  if payload.get("decode", {}).get("rows"):
+    rows = payload["decode"]["rows"]
+    size = payload["decode"]["size"]
+    lines += [f"**Decode, ms per token** (L={size['layers']}, d={size['d_model']}, "
+              f"H={size['heads']}, T={size['seq_len']}, one token at T/2, the cache "
+              "donated; in brackets: over the floor):", "",
+              "| | " + " | ".join(f"batch {r['batch']}, {r['dtype']}" for r in rows) + " |",
+              "|---|" + "---:|" * len(rows)]
+    names = {"floor": "floor (one sum over the same bytes)",
+             "in_place": "in place (`st.per_layer(cache, in_place=True)`)",
+             "unrolled": "unrolled (`BlockSeq`)", "sliced": "sliced (xs/ys)"}
+    for name, text in names.items():
+      cells = []
+      for r in rows:
+        if name in r["out_of_memory"]:
+          failed = r["out_of_memory"][name]
+          cells.append("error" if "error" in failed else oom_text({"out_of_memory": failed}))
+        elif f"{name}_ms" not in r:
+          cells.append("")
+        elif name == "floor":
+          cells.append(f"{r['floor_ms']:.2f}")
+        else:
+          cells.append(f"{r[f'{name}_ms']:.2f} ({_x(r['ratios_to_floor'].get(name))})")
+      lines.append(f"| {text} | " + " | ".join(cells) + " |")
+    lines.append("")
+  if payload.get("offload", {}).get("link"):
+    part = payload["offload"]
+    link = part["link"]
+    lines += ["**Offload against full** (float32; temp: device, host: the offloaded "
+              "bytes; transfer: those bytes out and back at the measured bandwidths):", "",
+              "| model | full ms | offload ms | offload / full | full temp GiB | "
+              "offload temp GiB | host GiB | transfer ms | offload / max(full, transfer) | "
+              "gradients' max abs diff |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in ("mlp", "wide_gpt"):
+      if key not in part:
+        continue
+      m, size = part[key], part[key]["size"]
+      model = (f"residual MLP (width {size['width']}, batch {size['batch']}, L={size['layers']})"
+               if key == "mlp" else f"GPT (L={size['layers']}, d={size['d_model']}, "
+               f"T={size['seq_len']}, batch {size['batch']})")
+      f, o = m["full"], m["offload"]
+      lines.append(" | ".join([
+          f"| {model}", _cells(f)[0], _cells(o)[0], _x(m.get("offload_over_full_step")),
+          _gib(f.get("temp_bytes")), _gib(o.get("temp_bytes")), _gib(o.get("host_temp_bytes")),
+          "" if m.get("transfer_s") is None else f"{1e3 * m['transfer_s']:.1f}",
+          _x(m.get("offload_over_max_full_transfer")),
+          "" if m.get("grads_max_abs_diff") is None else f"{m['grads_max_abs_diff']:.1e}"])
+                   + " |")
+    if link["device_to_host_gb_s"] is not None:
+      lines += ["", f"Host link (`jax.device_put` of {link['bytes'] / 2**30:.2f} GiB to "
+                f"`pinned_host` and back, median of {link['reps']}): device to host "
+                f"{link['device_to_host_gb_s']:.1f} GB/s, host to device "
+                f"{link['host_to_device_gb_s']:.1f} GB/s."]
+    else:
+      lines += ["", f"Host link not measured: {link['why_not']}."]
+    lines.append("")
+  for name_of_part in PARTS:
+    failed = payload.get(name_of_part, {}).get("failed")
+    if failed:
+      lines += [f"**{name_of_part}** stopped: "
+                + (oom_text(failed) if "out_of_memory" in failed else failed["error"]) + ".", ""]
+  goals = summary["goals"]
+  if goals:
+    lines.append("Goals: " + ", ".join(
+        f"{k}: {'not measured' if v is None else 'met' if v else 'missed'}"
+        for k, v in goals.items()) + ".")
+  if payload.get("name"):
+    lines += ["", f"![{payload['name']}](../../benchmarks/results/{payload['name']}.png)"]
+  return "\n".join(lines).rstrip()
+
+
+def _x(ratio: Optional[float]) -> str:
+  return "" if ratio is None else f"{ratio:.2f}x"
 
 
 def draw(payload: dict[str, Any]):
   def fig_fn(plt):
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for r in payload["runs"]:
-      if r["model"] != "gpt":
-        continue
-      ax.scatter(r["temp_bytes"] / 2**30, 1e3 * r["step_s"])
-      ax.annotate(r["label"], (r["temp_bytes"] / 2**30, 1e3 * r["step_s"]), fontsize=7,
-                  xytext=(4, 2), textcoords="offset points")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ax = axes[0]
+    for dtype, marker in zip(DTYPES, ("o", "s")):
+      for r in payload.get("gpt", {}).get("runs", []):
+        if r["dtype"] == dtype and "step_s" in r:
+          ax.scatter(r["temp_bytes"] / 2**30, 1e3 * r["step_s"], marker=marker,
+                     color="C0" if dtype == "float32" else "C1")
+          ax.annotate(r["label"], (r["temp_bytes"] / 2**30, 1e3 * r["step_s"]), fontsize=6,
+                      xytext=(4, 2), textcoords="offset points")
+      ax.scatter([], [], marker=marker, color="C0" if dtype == "float32" else "C1",
+                 label=dtype if dtype == "float32" else "bfloat16 compute")
     ax.set_xscale("log")
     ax.set_xlabel("compiled temp memory (GiB, log)")
     ax.set_ylabel("step (ms)")
-    ax.set_title(f"GPT {payload['shape']}: step time against memory\n"
-                 f"({payload['environment']['device']})")
+    ax.set_title("GPT: step time against memory")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    rows = payload.get("decode", {}).get("rows", [])
+    for i, name in enumerate(DECODED):
+      ax.bar([j + 0.25 * (i - 1) for j in range(len(rows))],
+             [r["ratios_to_floor"].get(name, 0) for r in rows], width=0.25, label=name)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="floor")
+    ax.set_xticks(range(len(rows)), [f"batch {r['batch']}\n{r['dtype']}" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode step over the floor (log)")
+    ax.set_title("Decode: one token at T/2")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    part = payload.get("offload", {})
+    models = [k for k in ("mlp", "wide_gpt") if k in part]
+    for i, (what, key) in enumerate((("full", "full"), ("offload", "offload"),
+                                     ("transfer", None))):
+      values = []
+      for k in models:
+        if key is None:
+          values.append(1e3 * (part[k].get("transfer_s") or 0))
+        else:
+          values.append(1e3 * part[k][key].get("step_s", 0))
+      ax.bar([j + 0.25 * (i - 1) for j in range(len(models))], values, width=0.25, label=what)
+    ax.set_xticks(range(len(models)), ["residual MLP" if k == "mlp" else "GPT, wide"
+                                       for k in models])
+    ax.set_ylabel("ms")
+    ax.set_title("Offload against full, and the transfer time")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{payload['environment']['device']}, jax {payload['environment']['jax']}")
     return fig
   return fig_fn
+
+
+# ---------------------------------------------------------------------------
+# The command line.
+
+
+def earlier_parts(args, name: str) -> dict[str, Any]:
+  """The parts an earlier run on this device wrote to this run's JSON, for a
+  run of only some ``--parts``: the JSON keeps them (each part's ``run`` says
+  when and how it was measured)."""
+  path = Path(args.results_dir) / f"{name}.json"
+  if set(args.parts) == set(PARTS) or not path.exists():
+    return {}
+  earlier = json.loads(path.read_text(encoding="utf-8"))
+  return {p: earlier[p] for p in PARTS if earlier.get(p, {}).get("run")}
 
 
 def build_parser():
   p = harness.parser(__doc__)
   p.add_argument("--small", action="store_true",
-                 help="CPU sizes (L=4, d=64, T=64): the script, tested here")
-  p.add_argument("--rounds", type=int, default=5, help="timing rounds")
+                 help="CPU sizes (GPT L=4, d=64, T=64): every part, under 2 minutes")
+  p.add_argument("--parts", type=harness.str_list(PARTS), default=list(PARTS),
+                 help="which parts to run, comma-separated")
+  p.add_argument("--rounds", type=int, default=5, help="timing rounds, order alternated")
   p.add_argument("--steps", type=int, default=4, help="steps per round")
+  p.add_argument("--calls", type=int, default=5, help="decode calls per round")
   return p
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-  args = harness.parse_args(build_parser, ["--rounds", "2", "--steps", "1"], argv)
-  preset = "quick" if args.quick else "small" if args.small else "gpu"
-  size = SIZES[preset]
-  with_offload = jax.default_backend() != "cpu"   # host offload needs pinned host memory
+  args = harness.parse_args(build_parser, QUICK, argv)
+  preset = "quick" if args.quick else "small" if args.small else "accelerator"
+  sizes = SIZES[preset]
+  # --quick compiles with XLA's cheap settings: it checks that the script runs.
+  options = (fast_compile.CODEGEN if (args.quick or args.small) and jax.default_backend() == "cpu"
+             else None)
+  limit = bytes_limit()
+  name = result_name()
   start = time.perf_counter()
-  runs = compile_all(size, with_offload)
-  time_all(runs, args.rounds, args.steps)
-  payload = {
-      "question": "Step time, compiled memory and compile time of each stack and policy "
-                  "on one accelerator, the scanned stack against the unrolled one.",
+  payload: dict[str, Any] = {
+      "question": __doc__.strip().splitlines()[0],
       "command": harness.command_line(), "quick": args.quick, "preset": preset,
-      "config": {"size": size, "rounds": args.rounds, "steps": args.steps,
-                 "offload": with_offload},
-      "shape": (f"L={size['layers']}, d={size['d_model']}, H={size['heads']}, "
-                f"T={size['seq_len']}, batch {size['batch']}, f32"),
-      "runs": [{k: v for k, v in r.items() if k not in ("compiled", "args")} for r in runs],
+      "name": name,
+      "config": {"sizes": sizes, "parts": args.parts, "rounds": args.rounds,
+                 "steps": args.steps, "calls": args.calls, "bytes_limit": limit,
+                 "fit": FIT},
+      "environment": harness.environment(),
   }
-  payload["summary"] = summarise(runs)
+
+  def report() -> None:
+    payload["seconds"] = time.perf_counter() - start
+    payload["summary"] = summarise(payload)
+    payload["markdown"] = markdown(payload)
+    harness.write_json(args.results_dir, name, payload)
+
+  harness.log(f"{payload['environment']['device']} ({jax.default_backend()}), memory "
+              f"{'not reported' if limit is None else f'{limit / 2**30:.1f} GiB'}; "
+              f"preset {preset}; parts {', '.join(args.parts)}")
+  parts = {"gpt": lambda part: gpt_part(part, sizes["gpt"], args, options, limit, report),
+           "decode": lambda part: decode_part(part, sizes["decode"], args, options, limit,
+                                              report),
+           "offload": lambda part: offload_part(part, sizes, args, options, limit, report)}
+  earlier = earlier_parts(args, name)
+  for name_of_part in PARTS:
+    if name_of_part not in args.parts:
+      if name_of_part in earlier:
+        payload[name_of_part] = earlier[name_of_part]
+        harness.log(f"== {name_of_part}: kept from the run of "
+                    f"{earlier[name_of_part]['run']['date_utc']}")
+      continue
+    began = time.perf_counter()
+    harness.log(f"== {name_of_part} ({began - start:.0f} s in)")
+    payload[name_of_part] = {"run": {"date_utc": payload["environment"]["date_utc"],
+                                     "command": payload["command"]}}
+    try:
+      parts[name_of_part](payload[name_of_part])
+    except Exception as e:  # pylint: disable=broad-except
+      payload[name_of_part]["failed"] = failure(e)   # the other parts still run
+    payload[name_of_part]["run"]["seconds"] = time.perf_counter() - began
+    report()
   payload["seconds"] = time.perf_counter() - start
-  name = f"{NAME}_small" if preset == "small" else NAME
+  payload["summary"] = summarise(payload)
   return harness.publish(args, name, payload, markdown, draw)
 
 

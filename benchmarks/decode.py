@@ -105,10 +105,19 @@ def build_parser():
 
 
 class Point:
-  """The contenders at one (batch, T): compiled, with their inputs."""
+  """The contenders at one (batch, T): compiled, with their inputs.
+
+  The token goes at ``pos`` (default the last position). ``dtype`` is the
+  parameters' and the cache's (a bfloat16 point stores both in bfloat16).
+  With ``share_cache`` every cached contender and the floor use one cache
+  (each call donates it and gets it back; every contender writes the same
+  token at the same place, so it holds the same values), where a cache each
+  would not fit in the device's memory.
+  """
 
   def __init__(self, args, batch: int, seq_len: int, options,
-               names: tuple[str, ...] = CONTENDERS):
+               names: tuple[str, ...] = CONTENDERS, *, pos: Optional[int] = None,
+               dtype: Any = jnp.float32, share_cache: bool = False):
     base = dict(vocab_size=args.vocab_size, seq_len=seq_len, num_layers=args.num_layers,
                 num_heads=args.num_heads, d_model=args.d_model)
     cfg = model_lib.GPTConfig(**base)
@@ -116,8 +125,12 @@ class Point:
         lambda t: model_lib.forward(cfg, t)[0][:, -1]))
     self.tokens = jnp.zeros((batch, seq_len), jnp.int32)
     params = jax.jit(forward.init)(jax.random.PRNGKey(0), self.tokens[:, :8])
-    self.cache_bytes = cache_bytes(jax.eval_shape(lambda: model_lib.init_cache(cfg, batch)))
-    self.cfg, self.batch, self.pos = cfg, batch, seq_len - 1
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    new_cache = lambda: model_lib.init_cache(cfg, batch, dtype)  # noqa: E731
+    self.cache_bytes = cache_bytes(jax.eval_shape(new_cache))
+    self.cfg, self.batch = cfg, batch
+    self.pos = seq_len - 1 if pos is None else pos
+    self.share_cache = share_cache
     token = self.tokens[:, :1]
 
     def decoder(stack, in_place):
@@ -126,11 +139,13 @@ class Point:
           lambda t, cache, p: model_lib.decode(c, t, cache, p, in_place=in_place)))
 
     self.params = {"in_place": params, "sliced": params, "recompute": params,
-                   "floor": params, "unrolled": st.unstack_params(params, "h")}
+                   "floor": params}
+    if "unrolled" in names:   # a second copy of the layers' parameters
+      self.params["unrolled"] = st.unstack_params(params, "h")
     models = {"in_place": decoder("scan", True), "sliced": decoder("scan", False),
               "unrolled": decoder("unrolled", True)}
     self.compiled, self.memory = {}, {}
-    cache = model_lib.init_cache(cfg, batch)
+    cache = jax.eval_shape(new_cache)
     for name, model in models.items():
       if name not in names:
         continue
@@ -144,20 +159,25 @@ class Point:
     self.compiled["floor"] = jax.jit(lambda p, c: sum(
         jnp.sum(a) for a in jax.tree.leaves((p, c)))).lower(params, cache).compile(
             compiler_options=options)
-    self.caches = {name: model_lib.init_cache(cfg, batch)
-                   for name in CACHED if name in names}
-    self.floor_cache = model_lib.init_cache(cfg, batch)
+    if share_cache:
+      self.caches = {"shared": new_cache()}
+      self.floor_cache = None
+    else:
+      self.caches = {name: new_cache() for name in CACHED if name in names}
+      self.floor_cache = new_cache()
     self.token = token
 
   def call(self, name: str) -> Any:
     """One call of ``name``; a cached contender keeps its (donated) cache."""
     if name in CACHED:
-      logits, self.caches[name] = self.compiled[name](
-          self.params[name], self.token, self.caches[name], self.pos)
+      slot = "shared" if self.share_cache else name
+      logits, self.caches[slot] = self.compiled[name](
+          self.params[name], self.token, self.caches[slot], self.pos)
       return logits
     if name == "recompute":
       return self.compiled[name](self.params[name], self.tokens)
-    return self.compiled[name](self.params[name], self.floor_cache)
+    cache = self.caches["shared"] if self.share_cache else self.floor_cache
+    return self.compiled[name](self.params[name], cache)
 
 
 def cache_bytes(cache: Any) -> int:
@@ -188,7 +208,7 @@ def measure(point: Point, args,
       instruments.block((out, point.caches))
       times[name].append((time.perf_counter() - start) / calls)
   row = {f"{name}_ms": 1e3 * instruments.median(times[name]) for name in names}
-  if "sliced" in names:
+  if "sliced" in names and "in_place" in names:
     # The in-place and sliced forms give the same logits (same cache, same step).
     row["in_place_vs_sliced_max_abs_diff"] = float(np.max(np.abs(
         np.asarray(point.call("in_place")) - np.asarray(point.call("sliced")))))

@@ -1,10 +1,16 @@
 """The harness around every benchmark script: its flags, log, JSON and plot.
 
 Every script takes ``--quick`` (tiny sizes, seconds: the smoke test's mode),
-``--results_dir`` (default ``benchmarks/results``) and ``--no_plot``, prints
-its results as a Markdown table, and writes ``<results_dir>/<name>.json``
-(with the command line and the :func:`environment` it ran in) and, when
-matplotlib is installed, ``<results_dir>/<name>.png``.
+``--results_dir`` and ``--no_plot``, prints its results as a Markdown table,
+and writes ``<results_dir>/<name>.json`` (with the command line and the
+:func:`environment` it ran in) and, when matplotlib is installed,
+``<results_dir>/<name>.png``.
+
+Only a full run writes into ``benchmarks/results`` by default, where the
+published results live: a run of a preset (``--quick``, or a script's own
+``--small``) writes into a scratch folder of its own,
+``<tmp>/stacktools-benchmarks/<preset>/`` (:func:`results_dir`), unless
+``--results_dir`` is given, so a smoke run never replaces what the docs quote.
 
 The scripts import the benchmark modules as ``benchmarks.<module>``; run them
 from the repository root (``python benchmarks/memory.py``) or anywhere else:
@@ -19,6 +25,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +37,10 @@ import stacktools as st
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+#: The flags of the presets that write into a scratch folder (``quick``: every
+#: script; ``small``: a script's CPU-sized run, where it has one).
+PRESETS = ("quick", "small")
+SCRATCH_RESULTS_DIR = Path(tempfile.gettempdir()) / "stacktools-benchmarks"
 NO_MATPLOTLIB = "matplotlib not installed: skipping the plot (pip install matplotlib)"
 
 
@@ -44,8 +55,10 @@ def parser(doc: Optional[str]) -> argparse.ArgumentParser:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes, a few seconds: the smoke test's mode")
-  p.add_argument("--results_dir", type=Path, default=DEFAULT_RESULTS_DIR,
-                 help="where <name>.json and <name>.png are written")
+  p.add_argument("--results_dir", type=Path, default=None,
+                 help="where <name>.json and <name>.png are written (default: "
+                      f"{_display(DEFAULT_RESULTS_DIR)}; with --quick or --small, "
+                      f"{SCRATCH_RESULTS_DIR}/<preset>, never the published results)")
   p.add_argument("--no_plot", action="store_true", help="write the JSON only")
   return p
 
@@ -59,7 +72,19 @@ def parse_args(build_parser: Callable[[], argparse.ArgumentParser],
   if args.quick:
     given = list(argv if argv is not None else sys.argv[1:])
     args = build_parser().parse_args(list(quick_args) + given)
+  args.results_dir = results_dir(args)
   return args
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+  """Where this run writes: ``--results_dir`` when given; else
+  ``benchmarks/results`` for a full run and a scratch folder for a preset
+  (``<tmp>/stacktools-benchmarks/quick``), so that a ``--quick`` or
+  ``--small`` run never overwrites the published results of a full one."""
+  if args.results_dir is not None:
+    return Path(args.results_dir)
+  preset = next((p for p in PRESETS if getattr(args, p, False)), None)
+  return DEFAULT_RESULTS_DIR if preset is None else SCRATCH_RESULTS_DIR / preset
 
 
 def int_list(text: str) -> list[int]:
@@ -106,9 +131,9 @@ def publish(args: argparse.Namespace, name: str, payload: dict[str, Any],
   """Prints the results table, writes the JSON and (unless --no_plot) the PNG."""
   payload["markdown"] = markdown(payload)
   print(payload["markdown"])
-  write_json(args.results_dir, name, payload)
+  write_json(results_dir(args), name, payload)
   if not args.no_plot:
-    save_plot(args.results_dir, name, draw(payload))
+    save_plot(results_dir(args), name, draw(payload))
   return payload
 
 
@@ -141,11 +166,13 @@ def write_json(results_dir: Path, name: str, payload: dict[str, Any]) -> Path:
   """Writes ``payload`` to ``<results_dir>/<name>.json``.
 
   ``payload`` gains (in place) the keys ``benchmark`` (first) and
-  ``environment`` (last).
+  ``environment`` (last); an ``environment`` it already has is kept (a run
+  that writes its JSON as it goes states the one it started in).
   """
   results_dir.mkdir(parents=True, exist_ok=True)
   path = results_dir / f"{name}.json"
-  full = {"benchmark": name, **payload, "environment": environment()}
+  env = payload.pop("environment", None) or environment()
+  full = {"benchmark": name, **payload, "environment": env}
   payload.clear()
   payload.update(full)
   path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n", encoding="utf-8")

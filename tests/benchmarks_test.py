@@ -4,7 +4,10 @@ Each script is run with ``--quick`` (tiny sizes, seconds) into a temporary
 results directory, never over the committed ``benchmarks/results``, and its
 JSON is checked for the keys the README section reads and for positive
 numbers. The full runs are not tests: their numbers are timings and memory
-of one machine, committed in ``benchmarks/results``.
+of one machine, committed in ``benchmarks/results``. A quick run given no
+``--results_dir`` writes into a scratch folder, and leaves every tracked
+result as it was; ``accelerator.py`` runs its ``--small`` preset (all three
+parts at CPU sizes).
 
 Four scripts run in this process (their ``main(argv)``); one runs as a user
 runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
@@ -12,25 +15,28 @@ import matplotlib, which must print one line and write no PNG.
 """
 
 import ast
+import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import accelerator  # pylint: disable=wrong-import-position
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import decode  # pylint: disable=wrong-import-position
 from benchmarks import depth_edits  # pylint: disable=wrong-import-position
 from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import gpu  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import layer_rules  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
@@ -303,15 +309,141 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert "**2.00x**" in result["markdown"]
 
 
-def test_gpu_quick(tmp_path):
-  payload = _run(gpu, tmp_path)
-  runs = {r["label"]: r for r in payload["runs"]}
-  assert set(runs) >= {label for label, _, _ in gpu.GPT_RUNS} | {"MLP, full"}
+def test_accelerator_small(tmp_path):
+  # The --small preset, every part, fewer rounds than its default.
+  payload = accelerator.main(["--small", "--rounds", "2", "--steps", "1", "--calls", "2",
+                              "--results_dir", str(tmp_path)])
+  name = accelerator.result_name()
+  assert name == f"accelerator_{accelerator.device_slug()}"
+  result = json.loads((tmp_path / f"{name}.json").read_text())
+  assert COMMON_KEYS <= set(result) and result["benchmark"] == payload["benchmark"] == name
+  assert result["preset"] == "small" and result["quick"] is False
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+  except ImportError:
+    pass
+  # The GPT: every stack and policy, float32 and bfloat16 compute, measured.
+  runs = {(r["label"], r["dtype"]): r for r in result["gpt"]["runs"]}
+  assert set(runs) == {(label, dtype) for label, _, _ in accelerator.GPT_RUNS
+                       for dtype in accelerator.DTYPES}
   for run in runs.values():
-    assert _positive_number(run["step_s"]) and run["temp_bytes"] > 0, run
-  # What the scanned stack without remat keeps is below what it kept before
-  # (save_all: every value of every layer).
-  assert runs["Stacked, none"]["temp_bytes"] < runs["Stacked, save_all"]["temp_bytes"]
+    for key in ("step_s", "temp_bytes", "compile_s"):
+      assert _positive_number(run[key]), (key, run)
+    assert len(run["step_s_rounds"]) == 2
+  for key, ratios in result["summary"]["gpt"].items():
+    assert all(_positive_number(v) for v in ratios.values()), (key, ratios)
+  # What the scanned stack without remat keeps is below what save_all keeps.
+  for dtype in accelerator.DTYPES:
+    assert (runs[("Stacked, none", dtype)]["temp_bytes"]
+            < runs[("Stacked, save_all", dtype)]["temp_bytes"])
+  # Decode: each contender and the floor at each point; in place and sliced
+  # decode the same logits.
+  rows = result["decode"]["rows"]
+  assert [(r["batch"], r["dtype"]) for r in rows] == [
+      (4, "float32"), (1, "float32"), (4, "bfloat16")]
+  for row in rows:
+    assert not row["out_of_memory"], row
+    for contender in ("floor",) + accelerator.DECODED:
+      assert _positive_number(row[f"{contender}_ms"]), (contender, row)
+    assert row["pos"] == row["seq_len"] // 2
+    tolerance = 1e-5 if row["dtype"] == "float32" else 1e-2
+    assert row["in_place_vs_sliced_max_abs_diff"] <= tolerance, row
+    assert row["memory"]["in_place"]["alias_bytes"] >= row["cache_bytes"]   # donated
+  assert rows[2]["cache_bytes"] == rows[0]["cache_bytes"] // 2   # bfloat16
+  # Offload: full's gradients, and no link to measure on a CPU.
+  part = result["offload"]
+  for key in ("mlp", "wide_gpt"):
+    for remat in ("full", "offload"):
+      assert _positive_number(part[key][remat]["step_s"]), (key, remat)
+      assert _positive_number(part[key][remat]["temp_bytes"]), (key, remat)
+    assert part[key]["grads_max_abs_diff"] <= 1e-5, part[key]
+    assert _positive_number(part[key]["offload_over_full_step"])
+  link = part["link"]
+  assert link["device_to_host_gb_s"] is None and link["host_to_device_gb_s"] is None
+  assert "CPU" in link["why_not"]
+  assert set(result["summary"]["goals"]) >= {
+      "decode: in place <= 1.2x the floor", "offload MLP: <= 1.15x max(full, transfer)"}
+  # The page's section: the run, the command, three tables and the plot.
+  markdown = result["markdown"]
+  assert markdown.startswith("| run | machine | versions | took |")
+  assert f"```bash\n{result['command']}\n```" in markdown
+  assert markdown.count("|---|") >= 4 and f"results/{name}.png)" in markdown
+
+
+def test_accelerator_records_what_does_not_fit():
+  # XLA:TPU's compile-time message, and a run-time allocation's.
+  oom = accelerator.out_of_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+      "space hbm. Used 16.80G of 15.75G hbm. Exceeded hbm capacity by 1.05G."))
+  assert oom["bytes_needed"] == int(16.80 * 2**30)
+  oom = accelerator.out_of_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6442450944 bytes."))
+  assert oom["bytes_needed"] == 6442450944
+  assert accelerator.out_of_memory(ValueError("shapes do not match")) is None
+  assert accelerator.device_slug("TPU v5 lite") == "tpu_v5_lite"
+  assert accelerator.device_slug("NVIDIA H200") == "nvidia_h200"
+
+  # A configuration whose compile runs out of memory is recorded, and the
+  # others are still timed.
+  def too_big(x):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. "
+                       "Used 2.00G of 1.00G hbm.")
+  x = jax.numpy.ones(3)
+  runs = [accelerator.compile_run({"label": "too big"}, too_big, (x,), None),
+          accelerator.compile_run({"label": "fits"}, lambda x: x * 2, (x,), None)]
+  accelerator.time_runs(runs, rounds=2, steps=1)
+  assert runs[0].record["out_of_memory"]["bytes_needed"] == 2 * 2**30
+  assert "step_s" not in runs[0].record and _positive_number(runs[1].record["step_s"])
+  assert accelerator._cells(runs[0].record)[0] == "out of memory (2.0 GiB needed)"  # pylint: disable=protected-access
+
+  # A batch is halved until its program fits in 80% of the device's memory.
+  class Program:
+    def __init__(self, batch):
+      self.batch = batch
+
+    def memory_analysis(self):
+      return type("Stats", (), dict(argument_size_in_bytes=0, output_size_in_bytes=0,
+                                    alias_size_in_bytes=0,
+                                    temp_size_in_bytes=self.batch * 100))()
+  batch, (program, _), tries = accelerator.fit_batch(16, Program, 1000, "test")
+  assert batch == program.batch == 8 and [t["batch"] for t in tries] == [16, 8]
+  assert accelerator.fit_batch(16, Program, None, "test") == (16, None, [])
+
+
+def _results_snapshot():
+  """``git status`` of benchmarks/results, the folder's listing, and each
+  tracked result's hash and modification time."""
+  def git(*argv):
+    return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout
+  results = REPO_ROOT / "benchmarks" / "results"
+  files = {}
+  for path in filter(None, git("ls-files", "-z", "--", "benchmarks/results").split("\0")):
+    full = REPO_ROOT / path
+    files[path] = (full.stat().st_mtime_ns, hashlib.sha256(full.read_bytes()).hexdigest())
+  return git("status", "--porcelain", "--", "benchmarks/results"), sorted(os.listdir(results)), files
+
+
+def test_a_quick_run_leaves_the_published_results_alone(tmp_path, monkeypatch):
+  if shutil.which("git") is None or subprocess.run(
+      ["git", "rev-parse", "--is-inside-work-tree"], cwd=REPO_ROOT, capture_output=True,
+      check=False).returncode != 0:
+    pytest.skip("not a git work tree (git status is what this test compares)")
+  scratch = tmp_path / "scratch"
+  monkeypatch.setattr(harness, "SCRATCH_RESULTS_DIR", scratch)
+  before = _results_snapshot()
+  init_time.main(["--quick"])   # no --results_dir
+  assert _results_snapshot() == before
+  assert json.loads((scratch / "quick" / f"{init_time.NAME}.json").read_text())["quick"]
+  # Every script writes through the harness, which chooses that folder.
+  for script in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
+    text = script.read_text()
+    if "def main(" not in text or script.name == "nanogpt_prep.py":
+      continue
+    assert "harness.parse_args(" in text and "harness.publish(" in text, script.name
+    for writer in (".savefig(", "json.dump(", "write_json(", "save_plot("):
+      assert writer not in text.replace("harness.write_json(", ""), (script.name, writer)
 
 
 def test_init_time_as_a_script_without_matplotlib(tmp_path):

@@ -171,12 +171,24 @@ def test_every_error_the_library_raises_is_on_the_troubleshooting_page():
   assert not missing, "\n".join(missing)
 
 
+def _page_of(name):
+  """docs/benchmarks/<name>.md; for a result named after its device too
+  (``accelerator_tpu_v5_lite``), the page of the longest prefix that has one
+  (``accelerator.md``)."""
+  parts = name.split("_")
+  for end in range(len(parts), 0, -1):
+    path = os.path.join(DOCS, "benchmarks", "_".join(parts[:end]) + ".md")
+    if os.path.exists(path):
+      return path
+  return os.path.join(DOCS, "benchmarks", f"{name}.md")
+
+
 @pytest.mark.parametrize("name", sorted(
     os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))))
 def test_each_benchmark_page_states_its_run(name):
   with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json"), encoding="utf-8") as f:
     result = json.load(f)
-  with open(os.path.join(DOCS, "benchmarks", f"{name}.md"), encoding="utf-8") as f:
+  with open(_page_of(name), encoding="utf-8") as f:
     page = f.read()
   date = result["environment"]["date_utc"].replace("T", " ")[:16]
   assert f"| {date} UTC |" in page, date
