@@ -11,6 +11,10 @@ def _requirements(path: str) -> list[str]:
 
 # The range the example's checkpoint code and its tests have passed with.
 ORBAX = "orbax-checkpoint>=0.12.8,<0.13"
+# The GPT example's --dtype=bfloat16 (Haiku's mixed-precision policies) and
+# its tests import jmp themselves; dm-haiku depends on it too, but the
+# library never imports it.
+JMP = "jmp>=0.0.4"
 
 setuptools.setup(
     name="stacktools",
@@ -37,8 +41,8 @@ setuptools.setup(
     # Orbax saves and restores the GPT example's checkpoints; the library
     # itself never imports it. No TensorFlow comes with it.
     extras_require={
-        "examples": [ORBAX, "matplotlib>=3.7"],
-        "test": ["pytest>=8", ORBAX],
+        "examples": [ORBAX, JMP, "matplotlib>=3.7"],
+        "test": ["pytest>=8", ORBAX, JMP],
         "plot": ["matplotlib>=3.7"],
         # The docs site (mkdocs.yml): `mkdocs build --strict`, `mkdocs serve`.
         "docs": _requirements("docs/requirements.txt"),

@@ -37,6 +37,7 @@ What is checked, against numbers rather than "it runs":
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -624,9 +625,16 @@ def test_per_depth_and_auto_remat_train_like_none(drivers):
   chosen = plan["report"]["chosen"]
   assert plan["plan"] == chosen["plan"]
   assert chosen["temp_bytes"] <= plan["report"]["budget_bytes"] == 64 * 2**20
-  # The step that trains is the chosen candidate's, in both runs.
+  # The step that trains is the chosen candidate's, in both runs. It takes the
+  # parameters and optimizer state donated, which the planner's compiles do
+  # not: its temp memory may differ from the candidate's by at most their bytes.
   for log in (first, resumed):
-    assert compiled_temp_mib(log) == pytest.approx(chosen["temp_bytes"] / 2**20, abs=0.01)
+    chosen_text = log.split("Remat plan: ", 1)[1].split("\n", 1)[0].rsplit(" (", 1)[0]
+    assert f"(remat={chosen_text}, stack=" in log, log
+    donated_mib = sum(map(float, re.findall(
+        r"([\d.]+) KiB of (?:parameters|optimizer state) per device", log))) / 1024
+    assert donated_mib > 0, log
+    assert abs(compiled_temp_mib(log) - chosen["temp_bytes"] / 2**20) <= donated_mib + 0.01
 
 
 def test_stacked_and_blockseq_give_the_same_losses(drivers):
@@ -848,8 +856,7 @@ def test_logged_tokens_per_s_leaves_out_evaluation_and_checkpoints(monkeypatch):
   run = SimpleNamespace(
       params={}, opt_state={}, start_step=0, last_step=12, records=[],
       is_chief=False, metrics_path=None, compiled_step=step,
-      sampler=SimpleNamespace(next=lambda: np.zeros((batch_size, seq_len + 1), np.int32)),
-      batch_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+      batches=SimpleNamespace(next=lambda: np.zeros((batch_size, seq_len + 1), np.int32)),
       evaluate=lambda params: takes(100.0, 3.0),
       save_checkpoint=lambda step, params, opt_state: takes(50.0))
   with flagsaver.flagsaver(log_every=4, eval_every=6, checkpoint_every=5,

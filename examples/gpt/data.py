@@ -8,7 +8,8 @@ nothing else installed. ``--data_path`` takes any UTF-8 text file instead.
 Tokens are characters; the vocabulary is the sorted set of characters in the
 text. The first 90% of the text trains, the last 10% validates. Batches are
 random windows drawn with a seeded numpy generator whose state is saved with
-each checkpoint, so a resumed run draws the same batches.
+each checkpoint, so a resumed run draws the same batches. :class:`Prefetched`
+puts each batch on the devices one step ahead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import json
 import os
 import sysconfig
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -156,3 +157,37 @@ class BatchSampler:
   def set_state(self, state: str) -> None:
     self.rng.bit_generator.state = json.loads(state)
 
+
+class Prefetched:
+  """A sampler's batches, each put on the devices one batch ahead.
+
+  :meth:`next` returns the batch it put on the previous call and puts the one
+  after it, so that batch's copy to the devices is under way while the step
+  that takes the returned one runs: after a pause (a log line that waits for
+  the losses, an evaluation, a checkpoint) the next step starts at once.
+  :meth:`get_state` is the sampler's state after the batches returned so
+  far: the one put ahead is drawn again by a run resumed from it, as by an
+  uninterrupted one.
+
+  Example::
+
+    batches = Prefetched(BatchSampler(ids, 16, 64, seed=0), jax.device_put)
+    tokens = batches.next()     # on the device; the next batch is on its way
+  """
+
+  def __init__(self, sampler: BatchSampler, put: Callable[[np.ndarray], Any]):
+    self._sampler = sampler
+    self._put = put
+    self._ahead: Any = None   # the batch put ahead, once next() has run
+    self._state = sampler.get_state()
+
+  def next(self) -> Any:
+    if self._ahead is None:
+      self._ahead = self._put(self._sampler.next())
+    batch, self._state = self._ahead, self._sampler.get_state()
+    self._ahead = self._put(self._sampler.next())
+    return batch
+
+  def get_state(self) -> str:
+    """The sampler's state as of the batches :meth:`next` has returned."""
+    return self._state

@@ -35,17 +35,29 @@ The attention and MLP intermediates are named with ``st.checkpoint_name``
 whenever the step is traced under a mesh with that pipeline's axis (``with
 jax.set_mesh(mesh)``), and as a plain stack otherwise (init, sampling); the
 parameters are the same either way.
+
+``GPTConfig.dtype="bfloat16"`` is mixed precision through Haiku's
+``hk.mixed_precision`` policies (:func:`precision_policies`, set by
+:func:`precision` while :func:`forward`, :func:`decode` or :func:`loss_fn` is
+traced, and cleared after): the parameters, and so the gradients and the
+optimizer state, stay float32; the blocks, the embeddings and the head compute
+in bfloat16; the layer norms' statistics, the attention softmax and the loss
+(the logits' log-softmax over the vocabulary) are float32. The stack's
+vmapped init and scanned apply call the blocks inside, so the policies reach
+every layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 
 import stacktools as st
 from examples.gpt.linear import Linear
@@ -70,6 +82,8 @@ KINDS = {"L": "local", "G": "global"}
 #: blocks computes what it did (``st.take_layers(..., zero=RESIDUAL_OUTPUTS)``,
 #: ``train.py --depth_map=zero_new``).
 RESIDUAL_OUTPUTS = ("attn/proj", "fc_out")
+#: The values of ``GPTConfig.dtype`` (``train.py --dtype``): the compute dtype.
+DTYPES = ("float32", "bfloat16")
 Cache = dict[str, jax.Array]
 
 
@@ -101,6 +115,10 @@ class GPTConfig:
       layer, linear in depth (layer ``i`` of ``L`` skips with probability
       ``layer_drop * (i + 1) / L``, as in Huang et al. 2016). Evaluation
       and decoding run every layer. Not part of the model's shape either.
+    dtype: the compute dtype, one of :data:`DTYPES`: ``"float32"``, or
+      ``"bfloat16"`` with float32 parameters, layer-norm statistics, softmax
+      and loss (see the module docstring). Not part of the model's shape
+      either: the parameters are float32 under both.
   """
 
   vocab_size: int
@@ -118,6 +136,7 @@ class GPTConfig:
   bias: bool = True
   pipeline: Optional[st.Pipeline] = None
   layer_drop: float = 0.0
+  dtype: str = "float32"
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -140,6 +159,9 @@ class GPTConfig:
                        "add L layers to the pattern.")
     if not 0 <= self.layer_drop < 1:
       raise ValueError(f"layer_drop={self.layer_drop} must be in [0, 1).")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (float32 "
+                       "on CPU, bfloat16 on an accelerator).")
     if self.pipeline is not None and self.stack != "scan":
       raise ValueError(f"pipeline= needs stack='scan' (got stack={self.stack!r}): "
                        "a pipeline splits the layers of one st.Stacked; st.BlockSeq "
@@ -153,6 +175,11 @@ class GPTConfig:
     """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""
     period = len(self.pattern)
     return sum(self.pattern[i % period] == letter for i in range(self.num_layers))
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """``dtype`` as a JAX dtype: the activations' and the KV cache's."""
+    return jnp.dtype(self.dtype)
 
 
 class CausalSelfAttention(hk.Module):
@@ -198,10 +225,12 @@ class CausalSelfAttention(hk.Module):
                                "attn_out")
       return out, None, new_cache
     mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    # The softmax in float32 (the scores upcast), its probabilities back in
+    # the compute dtype for their matmul with the values.
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     scores = st.checkpoint_name(
         scores + jnp.where(mask, 0.0, jnp.finfo(scores.dtype).min), "attn_scores")
-    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
     out = st.checkpoint_name(
         jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.d_model), "attn_mix")
     out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out), "attn_out")
@@ -229,15 +258,16 @@ class CausalSelfAttention(hk.Module):
       held = jnp.where(jnp.arange(slots) < pos, jnp.arange(slots), -1)
     else:   # slot s: the latest position before pos that is s modulo slots
       held = pos - 1 - (pos - 1 - jnp.arange(slots)) % slots
-    neg = jnp.finfo(dtype).min
+    neg = jnp.finfo(jnp.float32).min
     # Tagged as in the forward pass: a policy that names them holds in decode.
+    # The softmax in float32, as there.
     scores = st.checkpoint_name(jnp.concatenate([
-        jnp.einsum("bhqd,bhkd->bhqk", q, old["k"])
+        jnp.einsum("bhqd,bhkd->bhqk", q, old["k"]).astype(jnp.float32)
         + jnp.where(_visible(query_pos, held, self.window), 0.0, neg),
-        jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
         + jnp.where(_visible(query_pos, query_pos, self.window), 0.0, neg)], axis=-1),
                                 "attn_scores")
-    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(dtype), "attn_probs")
     out = (jnp.einsum("bhqk,bhkd->bhqd", probs[..., :slots], old["v"])
            + jnp.einsum("bhqk,bhkd->bhqd", probs[..., slots:], v)).swapaxes(1, 2)
     new = {"k": k, "v": v}
@@ -308,6 +338,74 @@ class Block(hk.Module):
     return x, block_stats(x_in, x, probs)
 
 
+class Head(Linear):
+  """The output projection: :class:`Linear`, as a class of its own so that
+  its mixed-precision policy (float32 logits, for the loss) is its alone."""
+
+
+def precision_policies(dtype: str) -> dict[type[hk.Module], jmp.Policy]:
+  """Haiku mixed-precision policies for compute ``dtype``, by module class.
+
+  None for float32. Otherwise every policy keeps the parameters float32 (each
+  module casts them where it reads them; the gradients come back float32):
+  the blocks (their matmuls, GELU and residual adds) and the embeddings
+  compute in ``dtype`` and hand ``dtype`` on, so the stack's carry (which a
+  remat policy keeps per layer) and the KV cache that decoding blocks write
+  are ``dtype`` too; the layer norms compute in float32, as Haiku's ImageNet
+  example does for its batch norm, and hand ``dtype`` on; the head computes
+  in ``dtype`` and hands on float32 logits, so the loss's log-softmax over
+  the vocabulary is float32. A module without a policy of its own (a block's
+  attention, its linear layers) follows its caller's.
+
+  Example::
+
+    policies = precision_policies("bfloat16")
+    policies[Head]   # params=float32, compute=bfloat16, output=float32
+  """
+  if dtype == "float32":
+    return {}
+  compute = jmp.get_policy(f"params=float32,compute={dtype},output={dtype}")
+  return {
+      hk.Embed: compute,
+      Block: compute,
+      hk.LayerNorm: jmp.get_policy(f"params=float32,compute=float32,output={dtype}"),
+      Head: jmp.get_policy(f"params=float32,compute={dtype},output=float32"),
+  }
+
+
+@contextlib.contextmanager
+def precision(cfg: GPTConfig) -> Iterator[None]:
+  """``cfg.dtype``'s policies (:func:`precision_policies`) inside the ``with``.
+
+  Haiku's policies are global (per thread) and apply while a module is
+  traced: they are set here and cleared (or the earlier ones put back) on the
+  way out, so a float32 model traced afterwards is untouched.
+  :func:`forward`, :func:`decode` and :func:`loss_fn` enter it themselves;
+  code of one's own that calls this module's blocks directly enters it.
+
+  Example::
+
+    cfg = GPTConfig(vocab_size=64, num_layers=2, d_model=32, dtype="bfloat16")
+
+    def one_block(x):              # inside hk.transform
+      with precision(cfg):         # bfloat16 compute, float32 parameters
+        return Block(cfg)(x)
+  """
+  with contextlib.ExitStack() as stack:
+    for cls, policy in precision_policies(cfg.dtype).items():
+      stack.enter_context(hk.mixed_precision.push_policy(cls, policy))
+    yield
+
+
+def _in_precision(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn(cfg, ...)`` traced under :func:`precision`."""
+  @functools.wraps(fn)
+  def wrapped(cfg: GPTConfig, *args: Any, **kwargs: Any) -> Any:
+    with precision(cfg):
+      return fn(cfg, *args, **kwargs)
+  return wrapped
+
+
 def block_stats(x_in: jax.Array, x_out: jax.Array, probs: jax.Array) -> dict[str, jax.Array]:
   """Per-layer numbers for a scan block: what the layer did to the stream.
 
@@ -361,7 +459,7 @@ def _ends(cfg: GPTConfig):
   tok = hk.Embed(cfg.vocab_size, cfg.d_model, w_init=init, name="tok_embed")
   pos_embed = hk.Embed(cfg.seq_len, cfg.d_model, w_init=init, name="pos_embed")
   ln_f = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")
-  out = Linear(cfg.vocab_size, with_bias=cfg.bias, name="head")
+  out = Head(cfg.vocab_size, with_bias=cfg.bias, name="head")
 
   def embed(tokens: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
     return tok(tokens) + pos_embed(pos + jnp.arange(tokens.shape[1]))[None]
@@ -369,12 +467,14 @@ def _ends(cfg: GPTConfig):
   return embed, lambda x: out(ln_f(x))
 
 
+@_in_precision
 def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
             ) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:
   """Logits for every position of ``tokens`` (``[B, T]``), and per-layer stats.
 
-  Call inside ``hk.transform``. Stats are ``None`` for fold blocks and a dict
-  of ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
+  Call inside ``hk.transform``. The logits are float32 whatever
+  ``cfg.dtype``. Stats are ``None`` for fold blocks and a dict of
+  ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
   ``training`` with ``cfg.layer_drop`` needs an rng.
   """
   embed, head = _ends(cfg)
@@ -385,13 +485,16 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
     x = stack.fold(x)
   else:
     x, stats = stack.scan(x)
-    # [num_layers, B] -> [num_layers]: the batch's mean for each layer.
-    stats = jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1), stats)
+    # [num_layers, B] -> [num_layers]: the batch's mean for each layer (in
+    # float32 whatever cfg.dtype, as the logits).
+    stats = jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1, dtype=jnp.float32), stats)
   return head(x), stats
 
 
-def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
+def init_cache(cfg: GPTConfig, batch_size: int, dtype=None):
   """An empty KV cache: ``[num_layers, B, heads, seq_len, head_dim]`` each.
+
+  In ``dtype``, by default the compute dtype (``cfg.compute_dtype``).
 
   Heads before positions: a decode step's dot over ``head_dim`` then reads
   each layer's cache in place, with no transposed copy.
@@ -400,6 +503,8 @@ def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
   layer's ``window`` positions long (a ring), a global layer's ``seq_len``;
   the leading axis is the kind's count.
   """
+  dtype = cfg.compute_dtype if dtype is None else dtype
+
   def zeros(layers, length):
     shape = (layers, batch_size, cfg.num_heads, length, cfg.d_model // cfg.num_heads)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
@@ -411,6 +516,7 @@ def init_cache(cfg: GPTConfig, batch_size: int, dtype=jnp.float32):
           for c in dict.fromkeys(cfg.pattern) if cfg.kind_count(c)}
 
 
+@_in_precision
 def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
            pos: jax.Array, *, in_place: bool = True) -> tuple[jax.Array, Cache]:
   """Logits for ``tokens`` placed at ``pos``, attending to the cache.
@@ -448,6 +554,7 @@ def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
 
 
+@_in_precision
 def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
   """Mean next-token cross entropy (nats) over ``tokens[:, 1:]``, and stats.
 
@@ -464,6 +571,7 @@ def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
     if cfg.block == "fold":
       return stack.loss(*ends), None
     loss, stats = stack.scan_loss(*ends)
-    return loss, jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1), stats)
+    return loss, jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1, dtype=jnp.float32),
+                                        stats)
   logits, stats = forward(cfg, tokens[:, :-1], training)
   return _nll(logits, tokens[:, 1:]), stats

@@ -146,6 +146,10 @@ def define_flags() -> None:
                        "as one batch and printed one after another, separated "
                        "by a line of dashes.", lower_bound=1)
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_enum("dtype", "float32", model_lib.DTYPES, "Compute dtype of the "
+                    "decode step and its KV cache: float32 (right on a CPU) or "
+                    "bfloat16 (right on an accelerator, TPU or GPU; the "
+                    "parameters stay float32), whichever train.py trained in.")
 
 
 def main(argv):
@@ -165,7 +169,7 @@ def main(argv):
     sys.exit(f"error: {e} Train first with {train}.")
   except checkpoint.CheckpointError as e:
     sys.exit(f"error: {e}")
-  cfg = model_lib.GPTConfig(**meta["config"])
+  cfg = model_lib.GPTConfig(**{**meta["config"], "dtype": FLAGS.dtype})
   if FLAGS.top_k > cfg.vocab_size:
     sys.exit(f"error: --top_k={FLAGS.top_k} is more than the vocabulary's "
              f"{cfg.vocab_size} characters; pass 0 (off) up to {cfg.vocab_size}.")

@@ -16,8 +16,10 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
 
 Logs step, train and validation loss, tokens/s and step time (of training
-alone: evaluation and checkpoints are left out), and at start-up the compiled
-temp memory of the train step (which is what --remat changes).
+alone: evaluation and checkpoints are left out), with the model TFLOP/s and MFU
+where the device's peak is known (a TPU, a GPU; --peak_flops), and at start-up
+the compiled temp memory of the train step (which is what --remat changes).
+On an accelerator, train in mixed precision: --dtype=bfloat16.
 Writes metrics.jsonl and loss.png (with matplotlib installed) to --workdir,
 each atomically (with --remat=auto also remat_plan.json, the report of every
 candidate and the chosen plan, and remat_plan-<hash>.json, the plan that a
@@ -109,6 +111,12 @@ _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_boun
 _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
 _BIAS = flags.DEFINE_bool("bias", True, "Biases in the linear layers and layer "
                           "norms (--nobias: none, as nanoGPT's default).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", model_lib.DTYPES, "Compute dtype. float32 is right on a "
+    "CPU (its bfloat16 matmuls are no faster); bfloat16 on an accelerator (TPU or "
+    "GPU): mixed precision through Haiku's jmp policies, with the parameters, "
+    "the optimizer state, the layer-norm statistics, the attention softmax and "
+    "the loss in float32. Not part of the checkpoint: a run resumes under either.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
@@ -173,6 +181,11 @@ _EXPORT_NPZ = flags.DEFINE_string(
     "path as one .npz (np.load(path, allow_pickle=False); keys like "
     "'h/block/fc/w'), gathered onto process 0. Default: no export.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1)
+_PEAK_FLOPS = flags.DEFINE_float(
+    "peak_flops", None, "One device's peak FLOP/s, for the model TFLOP/s and MFU "
+    "that the log lines show beside tokens/s (e.g. 197e12). Default: the dense "
+    "bfloat16 peak of the device kind (PEAK_FLOPS: TPU v4, v5e, v5p, v6e, A100, "
+    "H100); other devices, a CPU among them, show neither.", lower_bound=0.0)
 _DATA_PATH = flags.DEFINE_string(
     "data_path", None, "A UTF-8 text file to train on (default: this Python's "
     "standard-library sources).")
@@ -897,8 +910,7 @@ class Run:
   is_chief: bool
   dataset: data_lib.CharDataset
   cfg: model_lib.GPTConfig
-  sampler: data_lib.BatchSampler
-  batch_sharding: Any
+  batches: data_lib.Prefetched  # the training batches, on the devices a step ahead
   compiled_step: Any  # params, opt_state, batch -> params, opt_state, loss, stats
   evaluate: Callable[[Any], float]  # params -> mean validation loss
   # Starts an asynchronous save of (params, opt_state) with this step's
@@ -993,7 +1005,8 @@ def set_up(argv) -> Run:
         remat=checkpoint_policy(_REMAT.value, _SAVE_NAMES.value, _NESTED_OUTER.value),
         unroll=_UNROLL.value, pattern=_PATTERN.value,
         window=(_WINDOW.value or DEFAULT_WINDOW) if "L" in _PATTERN.value else 0,
-        bias=_BIAS.value, pipeline=pipeline, layer_drop=_LAYER_DROP.value)
+        bias=_BIAS.value, pipeline=pipeline, layer_drop=_LAYER_DROP.value,
+        dtype=_DTYPE.value)
     param_shapes = trace_model(cfg, mesh, init_key, sampler_peek(sampler))
   except (TypeError, ValueError) as e:
     sys.exit(f"error: {e}")
@@ -1098,8 +1111,11 @@ def set_up(argv) -> Run:
   # runs as a plain stack where there is none).
   compile_start = time.perf_counter()
   with jax.set_mesh(mesh):
+    # The parameters and optimizer state are donated: the update writes
+    # them in place (a checkpoint's save has copied them off the devices).
     compiled_step = jax.jit(
         train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        donate_argnums=(0, 1),
         out_shardings=(param_shardings, opt_shardings, replicated, replicated),
     ).lower(params, opt_state,
             jax.ShapeDtypeStruct(sampler_peek(sampler).shape, np.int32,
@@ -1115,14 +1131,19 @@ def set_up(argv) -> Run:
     with jax.set_mesh(mesh):   # traced on the first call: see the train step
       return float(np.mean([eval_loss(params, b) for b in eval_batches]))
 
+  # The training batches, each put on the devices a step ahead (as the
+  # evaluation's: every process samples the whole batch, puts its rows).
+  batches = data_lib.Prefetched(
+      sampler, lambda batch: distributed.put_global(batch, batch_sharding))
+
   def save_checkpoint(step, params, opt_state):
     # A collective: every process writes its own shards, in the background.
-    # The config is the model's shape; how its layers run (remat, pipeline)
-    # is not, so a checkpoint resumes under any of them.
+    # The config is the model's shape; how its layers run (remat, pipeline,
+    # dtype) is not, so a checkpoint resumes under any of them.
     checkpoints.save(step, params, opt_state, {
-        "sampler_state": sampler.get_state(),
+        "sampler_state": batches.get_state(),
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                   if f.name not in ("remat", "pipeline", "layer_drop")},
+                   if f.name not in ("remat", "pipeline", "layer_drop", "dtype")},
         "optimizer": {name: flag.value for name, flag in OPTIMIZER_FLAGS.items()},
         "chars": dataset.chars})
 
@@ -1130,12 +1151,57 @@ def set_up(argv) -> Run:
     os.makedirs(workdir, exist_ok=True)
     write_metrics(metrics_path, records)
   return Run(workdir=workdir, metrics_path=metrics_path, is_chief=is_chief,
-             dataset=dataset, cfg=cfg, sampler=sampler,
-             batch_sharding=batch_sharding, compiled_step=compiled_step,
+             dataset=dataset, cfg=cfg, batches=batches, compiled_step=compiled_step,
              evaluate=evaluate, save_checkpoint=save_checkpoint,
              checkpoints=checkpoints, params=params,
              opt_state=opt_state, start_step=start_step, last_step=last_step,
              records=records)
+
+
+#: One device's dense bfloat16 peak FLOP/s, by ``jax.Device.device_kind``.
+#: JAX names the TPU v5e "TPU v5 lite", the v5p "TPU v5" and the v6e "TPU v6
+#: lite". A GPU's kind also names its memory and form ("NVIDIA
+#: A100-SXM4-40GB"), so an NVIDIA entry matches the start of the kind.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "NVIDIA H100": 989e12,        # SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def peak_flops(device_kind: str) -> Optional[float]:
+  """``device_kind``'s entry of :data:`PEAK_FLOPS`, or None (a CPU, say)."""
+  if device_kind in PEAK_FLOPS:
+    return PEAK_FLOPS[device_kind]
+  gpus = [kind for kind in PEAK_FLOPS
+          if kind.startswith("NVIDIA ") and device_kind.startswith(kind)]
+  return PEAK_FLOPS[max(gpus, key=len)] if gpus else None
+
+
+def run_peak_flops() -> Optional[float]:
+  """The run's peak FLOP/s over all its devices (--peak_flops, or the device
+  kind's), or None where it is not known: then no MFU is logged."""
+  peak = _PEAK_FLOPS.value or peak_flops(jax.devices()[0].device_kind)
+  return None if peak is None else peak * jax.device_count()
+
+
+def model_flops_per_token(cfg: model_lib.GPTConfig, num_params: int) -> float:
+  """Training FLOPs per token of the model: 6·N + 12·L·d·T.
+
+  The estimate of PaLM's appendix B (and nanoGPT's ``estimate_mfu``): 6·N
+  for the forward and backward matmuls with the weights, 12·L·d·T for the
+  attention's scores and mix over T positions. N here is every parameter,
+  the count of the log's "Parameters:" line, embeddings included (at a
+  character vocabulary they are a small part). The attention term counts T
+  in full, as the formula does, for causal and windowed layers alike; what
+  remat recomputes is not counted (model FLOPs, not hardware FLOPs).
+  """
+  return 6 * num_params + 12 * cfg.num_layers * cfg.d_model * cfg.seq_len
 
 
 class Stopwatch:
@@ -1186,8 +1252,12 @@ def train_loop(run: Run) -> Any:
   # so far are done) for evaluation and checkpoints.
   window_losses, stopwatch = [], Stopwatch()
   tokens_per_step = _BATCH_SIZE.value * _SEQ_LEN.value
+  peak = run_peak_flops()   # None: no MFU on the log lines
+  if peak is not None:
+    flops_per_token = model_flops_per_token(
+        run.cfg, sum(x.size for x in jax.tree_util.tree_leaves(params)))
   for step in range(run.start_step + 1, last_step + 1):
-    batch = distributed.put_global(run.sampler.next(), run.batch_sharding)
+    batch = run.batches.next()
     params, opt_state, loss, stats = run.compiled_step(params, opt_state, batch)
     window_losses.append(loss)
     record = None
@@ -1198,8 +1268,13 @@ def train_loop(run: Run) -> Any:
                 "step_time_s": elapsed / len(losses),
                 "tokens_per_s": tokens_per_step * len(losses) / elapsed}
       message = (f"step {step:5d}  train loss {record['train_loss']:.4f}  "
-                 f"{record['tokens_per_s']:8.0f} tokens/s  "
-                 f"{1000 * record['step_time_s']:6.1f} ms/step")
+                 f"{record['tokens_per_s']:8.0f} tokens/s  ")
+      if peak is not None:
+        record["model_tflops_per_s"] = record["tokens_per_s"] * flops_per_token / 1e12
+        record["mfu"] = record["model_tflops_per_s"] * 1e12 / peak
+        message += (f"{record['model_tflops_per_s']:7.2f} TFLOP/s  "
+                    f"MFU {100 * record['mfu']:4.1f}%  ")
+      message += f"{1000 * record['step_time_s']:6.1f} ms/step"
       if stats is not None:
         for name, values in stats.items():
           record[name] = [round(float(v), 4) for v in values]
