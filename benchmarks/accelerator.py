@@ -27,9 +27,10 @@ each measured side by side in this one process, its contenders alternated:
 Sizes are scaled to the device: a batch is halved until its float32 program
 (the unrolled GPT without remat, the decode cache, full's GPT at d=2048)
 fits in 80% of ``memory_stats()["bytes_limit"]``. The GPT steps are compiled
-first, then timed in ``--rounds`` rounds that alternate their order (A B C,
-C B A, ...); a step's time is the median over rounds of the mean of
-``--steps`` steps.
+first (traced one by one, then compiled ``--compile_threads`` at a time),
+then timed in ``--rounds`` rounds that alternate their order (A B C, C B A,
+...); a step's time is the median over rounds of the mean of ``--steps``
+steps.
 
   python benchmarks/accelerator.py           # on the accelerator: the published run
   python benchmarks/accelerator.py --small   # every part at CPU sizes, under 2 minutes
@@ -44,6 +45,7 @@ scratch folder (``benchmarks/harness.py``) unless ``--results_dir`` is given.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -244,26 +246,64 @@ class Run:
     return self.compiled is not None
 
 
+#: One configuration to compile: its record, its function, the arguments,
+#: and a program :func:`fit_batch` already compiled (with its seconds) or None.
+Spec = tuple[dict[str, Any], Callable[..., Any], tuple[Any, ...], Optional[tuple[Any, float]]]
+
+
+def compile_runs(specs: list[Spec], options, threads: int = 1) -> list[Run]:
+  """Compiles each ``jax.jit(fn)`` for its arguments, warms it up and records
+  its memory and compile seconds; a failure (out of memory, say) is recorded
+  and the others go on.
+
+  The functions are traced and lowered one after another (Haiku's and the
+  stack's tracing state is Python's), then compiled ``threads`` at a time
+  (XLA releases the GIL): a configuration's ``compile_s`` is its lowering
+  plus its compile, the latter beside up to ``threads - 1`` others.
+  """
+  runs = [Run(record, args=args) for record, _, args, _ in specs]
+  lowered = {}
+  for i, (record, fn, args, fitted) in enumerate(specs):
+    if fitted is not None:
+      runs[i].compiled, record["compile_s"] = fitted
+      continue
+    try:
+      start = time.perf_counter()
+      lowered[i] = jax.jit(fn).lower(*args)
+      record["compile_s"] = time.perf_counter() - start
+    except Exception as e:  # pylint: disable=broad-except
+      record.update(failure(e))
+
+  def compile_one(i: int) -> tuple[Any, float]:
+    start = time.perf_counter()
+    compiled = lowered[i].compile(compiler_options=options)
+    return compiled, time.perf_counter() - start
+
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    done = {i: pool.submit(compile_one, i) for i in lowered}
+    for i, future in done.items():
+      try:
+        runs[i].compiled, seconds = future.result()
+        runs[i].record["compile_s"] += seconds
+      except Exception as e:  # pylint: disable=broad-except
+        runs[i].record.update(failure(e))
+  lowered.clear()
+  for run in runs:
+    if run.ok:
+      try:
+        run.record.update(memory_of(run.compiled))
+        instruments.block(run.compiled(*run.args))   # warm-up: the first call allocates
+      except Exception as e:  # pylint: disable=broad-except
+        run.record.update(failure(e))
+        run.compiled = None
+    harness.log(f"  {describe(run.record)}")
+  return runs
+
+
 def compile_run(record: dict[str, Any], fn: Callable[..., Any], args: tuple[Any, ...],
                 options, fitted: Optional[tuple[Any, float]] = None) -> Run:
-  """Compiles ``jax.jit(fn)`` for ``args`` (or takes ``fitted``, a program
-  :func:`fit_batch` compiled, and its seconds), warms it up and records its
-  memory and compile seconds; a failure is recorded."""
-  run = Run(record, args=args)
-  try:
-    start = time.perf_counter()
-    if fitted is None:
-      compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
-      record["compile_s"] = time.perf_counter() - start
-    else:
-      compiled, record["compile_s"] = fitted
-    record.update(memory_of(compiled))
-    instruments.block(compiled(*args))   # warm-up: the first call allocates
-    run.compiled = compiled
-  except Exception as e:  # pylint: disable=broad-except
-    record.update(failure(e))
-  harness.log(f"  {describe(record)}")
-  return run
+  """:func:`compile_runs` of one configuration."""
+  return compile_runs([(record, fn, args, fitted)], options)[0]
 
 
 def describe(record: dict[str, Any]) -> str:
@@ -405,13 +445,14 @@ def gpt_part(part: dict[str, Any], size: dict[str, int], args, options,
   tokens = gpt_tokens(size, batch)
   for dtype in DTYPES:
     harness.log(f"gpt, {dtype}, batch {batch}: compiling")
-    runs = []
+    specs = []
     for label, stack, remat in GPT_RUNS:
       record = {"label": label, "stack": stack, "remat": remat_label(remat),
                 "dtype": dtype, "batch": batch}
       given = fitted if (dtype, label) == ("float32", GPT_RUNS[0][0]) else None
-      runs.append(compile_run(record, step(dtype, stack, remat),
-                              (params.get(stack), tokens), options, given))
+      specs.append((record, step(dtype, stack, remat), (params.get(stack), tokens), given))
+    runs = compile_runs(specs, options, args.compile_threads)
+    del specs
     harness.log(f"gpt, {dtype}: timing {sum(r.ok for r in runs)} steps, "
                 f"{args.rounds} rounds of {args.steps}")
     time_runs(runs, args.rounds, args.steps)
@@ -557,11 +598,11 @@ def mlp_step(remat: str, size: dict[str, int]):
 def full_against_offload(model: str, steps: dict[str, tuple[Callable, tuple]], args,
                          options, fitted=None) -> dict[str, Any]:
   """``full`` and ``offload`` compiled, their gradients compared, timed alternated."""
-  runs = {}
-  for remat in ("full", "offload"):
-    fn, inputs = steps[remat]
-    runs[remat] = compile_run({"label": f"{model}, {remat}", "remat": remat}, fn, inputs,
-                              options, fitted if remat == "full" else None)
+  remats = ("full", "offload")
+  runs = dict(zip(remats, compile_runs(
+      [({"label": f"{model}, {remat}", "remat": remat}, *steps[remat],
+        fitted if remat == "full" else None) for remat in remats],
+      options, args.compile_threads)))
   out = {remat: run.record for remat, run in runs.items()}
   if all(r.ok for r in runs.values()):
     (loss_f, grads_f), (loss_o, grads_o) = (r.compiled(*r.args) for r in runs.values())
@@ -736,6 +777,12 @@ def run_table(payload: dict[str, Any]) -> list[str]:
 
 def markdown(payload: dict[str, Any]) -> str:
   lines = run_table(payload) + ["", "```bash", payload["command"], "```", ""]
+  others = [(name, payload[name]["run"]) for name in PARTS
+            if payload.get(name, {}).get("run", {}).get("command", payload["command"])
+            != payload["command"]]
+  if others:   # a run of some --parts keeps the others from an earlier run
+    lines += [f"`{name}` kept from the run of {run['date_utc'].replace('T', ' ')[:16]} UTC: "
+              f"`{run['command']}`." for name, run in others] + [""]
   summary = payload.get("summary") or summarise(payload)
   if payload.get("gpt", {}).get("runs"):
     gpt = payload["gpt"]
@@ -744,7 +791,8 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += [f"**GPT, one `value_and_grad` step** (L={size['layers']}, d={size['d_model']}, "
               f"H={size['heads']}, T={size['seq_len']}, vocabulary {VOCAB}, batch "
               f"{size['batch']}; bf16: {gpt['bf16_compute']}; median of "
-              f"{payload['config']['rounds']} alternated rounds):", "",
+              f"{payload['config']['rounds']} alternated rounds; compile s: tracing, then "
+              f"XLA, {payload['config'].get('compile_threads', 1)} programs at once):", "",
               "| stack, remat | f32 step ms | f32 temp GiB | f32 compile s | "
               "bf16 step ms | bf16 temp GiB | bf16 compile s |",
               "|---|---:|---:|---:|---:|---:|---:|"]
@@ -904,11 +952,15 @@ def build_parser():
   p.add_argument("--rounds", type=int, default=5, help="timing rounds, order alternated")
   p.add_argument("--steps", type=int, default=4, help="steps per round")
   p.add_argument("--calls", type=int, default=5, help="decode calls per round")
+  p.add_argument("--compile_threads", type=int, default=None,
+                 help="programs compiled at once (default: 4 on an accelerator, 1 on a CPU)")
   return p
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   args = harness.parse_args(build_parser, QUICK, argv)
+  if args.compile_threads is None:
+    args.compile_threads = 1 if jax.default_backend() == "cpu" else 4
   preset = "quick" if args.quick else "small" if args.small else "accelerator"
   sizes = SIZES[preset]
   # --quick compiles with XLA's cheap settings: it checks that the script runs.
@@ -923,6 +975,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "name": name,
       "config": {"sizes": sizes, "parts": args.parts, "rounds": args.rounds,
                  "steps": args.steps, "calls": args.calls, "bytes_limit": limit,
+                 "compile_threads": args.compile_threads,
                  "fit": FIT},
       "environment": harness.environment(),
   }
