@@ -177,7 +177,7 @@ def test_keep_checkpoints_rotates_old_steps(runs):
   assert sorted(os.listdir(checkpoint.folder(workdir))) == [str(STEPS - EVERY), str(STEPS)]
   step, meta = checkpoint.latest(workdir)
   assert step == meta["step"] == STEPS
-  assert set(meta) == {"step", "sampler_state", "config", "chars"}
+  assert set(meta) == {"step", "sampler_state", "config", "chars", "optimizer"}
   assert meta["config"]["num_layers"] == gpt.NUM_LAYERS
   json.loads(meta["sampler_state"])  # the data sampler's generator state
 
