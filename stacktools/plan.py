@@ -224,14 +224,20 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
 
   def fits(i: int, timed: bool = False) -> bool:
-    """Whether plan ``i`` fits; ``timed``: and it can be compiled to be timed."""
-    if i not in plans.compiled:
+    """Whether plan ``i`` fits; ``timed``: and it compiles to be timed (a
+    program the device cannot hold is refused there, and does not fit)."""
+    known = plans.compiled.get(i)
+    if known is None:
       estimate = plans.temp(i)
-      out_of_compiles = len(plans.compiled) >= MAX_COMPILES
-      if estimate <= budget_bytes * (1 - MARGIN):
-        return not (timed and out_of_compiles)
-      if estimate > budget_bytes * (1 + MARGIN) or out_of_compiles:
+      if estimate > budget_bytes * (1 + MARGIN):
         return False
+      if estimate <= budget_bytes * (1 - MARGIN) and not timed:
+        return True
+      if len(plans.compiled) >= MAX_COMPILES:
+        return False
+    elif plans.temp(i) > budget_bytes:
+      return False
+    if known is None or (timed and known.executable is None):
       plans.compile(i, memory_only=not timed)
     return plans.temp(i) <= budget_bytes
 

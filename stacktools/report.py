@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -285,6 +286,8 @@ class ReportRow:
       body once whatever its trip count (so it undercounts deep stacks).
     bytes_accessed: ``cost_analysis()["bytes accessed"]``, likewise.
     step_time_s: the fastest of the timed runs, where timed.
+    out_of_memory: XLA refused to compile the plan: it does not fit in the
+      device's memory (beside the step's arguments).
   """
 
   plan: Mapping[str, str]
@@ -295,6 +298,7 @@ class ReportRow:
   xla_flops: Optional[float] = None
   bytes_accessed: Optional[float] = None
   step_time_s: Optional[float] = None
+  out_of_memory: bool = False
 
   def plan_text(self) -> str:
     if len(self.plan) == 1:
@@ -307,7 +311,10 @@ class ReportRow:
 
   @property
   def memory(self) -> int:
-    """Compiled temp bytes where known, else the predicted ones."""
+    """Compiled temp bytes where known, else the predicted ones (more than
+    any budget where the plan does not fit the device)."""
+    if self.out_of_memory:
+      return sys.maxsize
     return self.temp_bytes if self.compiled else self.predicted_temp_bytes
 
   @property
@@ -363,6 +370,7 @@ class RematReport:
     lines = []
     for row in sorted(self.rows, key=lambda r: (r.memory, r.flops)):
       cells = [row.plan_text(), f"{row.predicted_temp_bytes / 2**20:.2f}",
+               "out of memory" if row.out_of_memory else
                opt(row.temp_bytes, lambda v: f"{v / 2**20:.2f}"),
                opt(row.temp_error, lambda v: f"{100 * v:+.1f}%"),
                f"{row.saved_bytes / 2**20:.2f}", f"{row.flops / 1e9:.3f}"]
@@ -372,7 +380,7 @@ class RematReport:
       if timed:
         cells.append(opt(row.step_time_s, lambda v: f"{1e3 * v:.2f}"))
       marks = [f"above {' and '.join(names)}" for names in self._above_its_policies(row)]
-      if self.budget is not None and row.memory > self.budget:
+      if self.budget is not None and row.memory > self.budget and not row.out_of_memory:
         marks.append("over budget")
       if row is self.chosen:
         marks.append("<- chosen")
@@ -487,6 +495,18 @@ class Compiled:
   temp_bytes: int
   xla_flops: float
   bytes_accessed: float
+  out_of_memory: bool = False
+
+
+def exhausted(error: BaseException) -> bool:
+  """Whether ``error`` says the device's memory ran out: XLA refuses to
+  compile a program that cannot fit (on a TPU, "Ran out of memory in memory
+  space hbm"), or to allocate its buffers (``RESOURCE_EXHAUSTED``)."""
+  return bool(re.search(r"RESOURCE_EXHAUSTED|out of memory", str(error), re.I))
+
+
+#: What a plan that XLA could not fit in the device's memory is recorded as.
+OUT_OF_MEMORY = Compiled(None, sys.maxsize, 0.0, 0.0, out_of_memory=True)
 
 
 #: Compiler options for a compile that only reads the memory: buffer
@@ -643,7 +663,8 @@ class Plans:
                key=lambda i: (self.predicted[i].saved_bytes, self.predicted[i].flops, i))
 
   def temp(self, i: int) -> int:
-    """Plan ``i``'s compiled temp bytes, else the calibrated prediction."""
+    """Plan ``i``'s compiled temp bytes, else the calibrated prediction
+    (``sys.maxsize`` for a plan that does not fit the device)."""
     if i in self.compiled:
       return self.compiled[i].temp_bytes
     return self.predicted[i].temp_bytes + self.rest
@@ -651,16 +672,25 @@ class Plans:
   def compile(self, i: int, *, memory_only: bool = False) -> Compiled:
     """Compiles plan ``i`` (once; a memory-only compile is redone to time it)."""
     known = self.compiled.get(i)
-    if known is not None and (memory_only or known.executable is not None):
+    if known is not None and (memory_only or known.executable is not None
+                              or known.out_of_memory):
       return known
     start = time.perf_counter()
-    compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
-                            memory_only=memory_only)
-    if memory_only:
+    try:
+      compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
+                              memory_only=memory_only)
+    except Exception as e:  # pylint: disable=broad-except
+      # A candidate too big for the device is one that does not fit, not the
+      # end of the planning (on a TPU, XLA refuses to compile it).
+      if not exhausted(e):
+        raise
+      compiled = OUT_OF_MEMORY
+    if memory_only and not compiled.out_of_memory:
       compiled.executable = None   # not to be timed
     self.compile_times[i] = time.perf_counter() - start
     self.compile_seconds += self.compile_times[i]
-    if not self.compiled:   # the first compile calibrates every prediction
+    if not compiled.out_of_memory and all(c.out_of_memory for c in self.compiled.values()):
+      # The first program compiled calibrates every prediction.
       self.rest = compiled.temp_bytes - self.predicted[i].temp_bytes
     self.compiled[i] = compiled
     return compiled
@@ -678,9 +708,10 @@ class Plans:
     return ReportRow(
         plan=self.plans[i], predicted_temp_bytes=p.temp_bytes + self.rest,
         saved_bytes=p.saved_bytes, flops=p.flops,
-        temp_bytes=None if c is None else c.temp_bytes,
-        xla_flops=None if c is None else c.xla_flops,
-        bytes_accessed=None if c is None else c.bytes_accessed,
+        temp_bytes=None if c is None or c.out_of_memory else c.temp_bytes,
+        out_of_memory=c is not None and c.out_of_memory,
+        xla_flops=None if c is None or c.out_of_memory else c.xla_flops,
+        bytes_accessed=None if c is None or c.out_of_memory else c.bytes_accessed,
         step_time_s=min(self.times[i]) if i in self.times else None)
 
   def report(self, *, budget: Optional[int], chosen: Optional[int] = None,

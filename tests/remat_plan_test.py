@@ -411,6 +411,34 @@ def test_two_stacks_planned_jointly_and_measured():
   assert plan.report.chosen.flops <= max(r.flops for r in rows)
 
 
+def test_a_candidate_the_device_cannot_hold_is_passed_over(monkeypatch):
+  # On a TPU, XLA refuses to compile a program that does not fit the chip's
+  # memory; the planner once stopped there. Here "none" is refused so.
+  compile_plan = report_lib.compile_plan
+
+  def refusing(step_fn, args, choice, **kwargs):
+    if any(getattr(r, "disable", False) for r in choice.values()):
+      raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran "
+                         "out of memory in memory space hbm. Used 15.76G of 15.75G hbm.")
+    return compile_plan(step_fn, args, choice, **kwargs)
+
+  monkeypatch.setattr(report_lib, "compile_plan", refusing)
+  step, params, x, _ = _auto_step()
+  plan = st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
+                       only=("none", "full"))
+  by = {r.plan["h0"]: r for r in plan.report.rows}
+  assert by["none"].out_of_memory and by["none"].temp_bytes is None, by["none"]
+  assert plan.labels == {"h0": "full"}, plan.report.decision
+  assert plan.report.decision == "no plan with fewer FLOPs fits"
+  assert "out of memory" in str(plan.report)
+  # Any other error is not taken for a plan that does not fit.
+  monkeypatch.setattr(report_lib, "compile_plan",
+                      lambda *a, **k: (_ for _ in ()).throw(RuntimeError("INTERNAL: bug")))
+  with pytest.raises(RuntimeError, match="INTERNAL: bug"):
+    st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
+                  only=("none", "full"))
+
+
 def test_pure_loops_keyed_by_trace_order():
   ws = _weights()
   def step(c):
