@@ -967,7 +967,12 @@ def draw(payload: dict[str, Any]):
                                        for k in models])
     ax.set_ylabel("ms")
     ax.set_title("Offload against full, and the transfer time")
-    ax.legend(fontsize=8)
+    if models:
+      ax.legend(fontsize=8)
+    else:   # a run cut short before this part, or run without it
+      ax.set_axis_off()
+      ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center",
+              transform=ax.transAxes)
     fig.suptitle(f"{payload['environment']['device']}, jax {payload['environment']['jax']}")
     return fig
   return fig_fn
