@@ -457,12 +457,16 @@ def test_no_remat_keeps_a_tagged_value_as_its_maker_would():
                     _tagged_elementwise_block)
   assert shapes(kept)[(8, RB, RD)] == 2, kept       # the carry and "act"
   # The gradients do not change with what is kept.
-  ws, h = jnp.full((8, RD, RD), 0.1), jnp.ones((RB, RD))
+  # Weights that keep tanh away from saturation, where its derivative is
+  # round-off.
+  ws = 0.3 * jax.random.normal(jax.random.PRNGKey(0), (8, RD, RD))
+  h = 0.5 * jnp.ones((RB, RD))
   grads = [jax.grad(lambda ws: jnp.sum(st.fold(_tagged_elementwise_block,
                                                remat=r)(h, ws)))(ws)
            for r in (False, "save_all", "full")]
-  for g in grads[1:]:
-    np.testing.assert_allclose(g, grads[0], rtol=1e-6)
+  for g in grads[1:]:   # float32 sums in another order (jax 0.12): a few ulps
+    np.testing.assert_allclose(g, grads[0], rtol=2e-5,
+                               atol=1e-6 * float(jnp.max(jnp.abs(grads[0]))))
 
 
 def test_nested_keeps_sqrt_n_carries():
