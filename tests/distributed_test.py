@@ -130,14 +130,22 @@ class Runs:
     self.procs.append(self.drivers[devices][0])
 
   def pair(self, extra: dict) -> list[subprocess.Popen]:
-    """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each."""
+    """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each.
+
+    Without the persistent compilation cache: it cannot shorten these (see
+    the module docstring), and with jax 0.12.1 a resumed pair whose process
+    0 loads its train step from the cache that the first pair wrote hangs in
+    its first step (the same with the code of before --dtype and donation).
+    """
     port = free_port()
+    env = {k: v for k, v in xla_env(2).items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     procs = []
     for i in range(2):
       flags = self.flags("mp", **extra, mesh=MESH_MP, num_processes=2, process_id=i,
                          coordinator_address=f"127.0.0.1:{port}")
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
-      procs.append(start([sys.executable, TRAIN, *gpt.as_args(flags)], xla_env(2), log))
+      procs.append(start([sys.executable, TRAIN, *gpt.as_args(flags)], env, log))
     self.procs.extend(procs)
     return procs
 

@@ -168,10 +168,11 @@ class Runs:
                          coordinator_address=f"127.0.0.1:{port}")
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
       # train.py as __main__, without matplotlib (no loss.png: a second of
-      # CPU), and with a compilation cache of its own per process index
-      # (only process 0 writes one, so the resumed pair's process 0 reuses
-      # the programs of the first pair's).
-      env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, f"jax_cache_mp{i}")))
+      # CPU), and without a persistent compilation cache: with jax 0.12.1 a
+      # resumed pair whose process 0 loads its programs from the cache that
+      # the first pair's wrote hangs in its first step.
+      env = {k: v for k, v in xla_env(2).items()
+             if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
       code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
       procs.append(start([sys.executable, "-c", code, TRAIN, *as_args(flags)], env, log))
