@@ -29,10 +29,14 @@ setuptools.setup(
     # The ranges the test suite has passed with. Haiku is in maintenance mode
     # and JAX moves fast, so a known-good range beats an open-ended one. CI
     # (.ci/run) tests both ends of JAX's: 0.10.2 (.ci/oldest.txt) and the
-    # newest below 0.13.
+    # newest below 0.12.1.
+    # jax 0.12.1 is left out: its XLA:CPU partitioner aborts on the
+    # interleaved pipeline's scatter (spmd_partitioner_util "Check failed"),
+    # and a resumed two-process run that loads its step from a persistent
+    # compilation cache hangs (tests/gpt_pipeline_test.py, distributed_test.py).
     install_requires=[
-        "jax>=0.10.2,<0.13",
-        "jaxlib>=0.10.2,<0.13",
+        "jax>=0.10.2,<0.12.1",
+        "jaxlib>=0.10.2,<0.12.1",
         "dm-haiku>=0.0.17,<0.0.18",
         "optax>=0.2.5,<0.3",
         "absl-py>=2.0",
