@@ -9,7 +9,7 @@ each measured side by side in this one process, its contenders alternated:
   of :data:`GPT_RUNS` (``st.BlockSeq`` and ``st.Stacked`` with no remat,
   ``save_all``, ``full`` and the example's default; ``hk.layer_stack``, the
   anchor), in float32 and in bfloat16 compute (float32 parameters, the model
-  run in bfloat16: :func:`compute_in`). Each: the median step, the compiled
+  run in bfloat16: ``GPTConfig.dtype``, the example's mixed precision). Each: the median step, the compiled
   temp memory, the compile time; a program that does not fit is recorded as
   out of memory, with the bytes XLA says it needed.
 * ``decode``: one token at T/2 of a KV cache (L=24, d=1024, H=16, T=4096,
@@ -46,7 +46,6 @@ scratch folder (``benchmarks/harness.py``) unless ``--results_dir`` is given.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import gc
 import json
@@ -388,45 +387,24 @@ def max_abs_diff(a: Any, b: Any) -> float:
 # Part 1: the GPT, every stack and policy, float32 and bfloat16 compute.
 
 
-#: Whether the example's GPTConfig has a compute dtype of its own (its mixed
-#: precision, through jmp policies).
-OWN_PRECISION = "dtype" in {f.name for f in dataclasses.fields(model_lib.GPTConfig)}
-
-
-def compute_in(cfg: model_lib.GPTConfig, dtype: str):
-  """``(cfg, cast, scope)``: the GPT of ``cfg`` run in ``dtype`` over float32
-  parameters (bfloat16 compute; float32 is ``cfg`` as it is).
-
-  Where the example has a mixed precision of its own (``GPTConfig.dtype``),
-  the config says it, ``cast`` is the identity and ``scope(cfg)`` is its
-  ``precision`` (for the model built by hand here, ``hk.layer_stack``'s);
-  without it, ``cast`` turns the parameters to ``dtype`` inside the loss, so
-  the whole model runs in ``dtype``. Either way the gradients are float32.
-  """
-  if dtype == "float32":
-    return cfg, lambda params: params, lambda cfg: contextlib.nullcontext()
-  if OWN_PRECISION:
-    return (dataclasses.replace(cfg, dtype=dtype), lambda params: params,
-            model_lib.precision)
-  cast = lambda params: jax.tree.map(lambda a: a.astype(dtype), params)  # noqa: E731
-  return cfg, cast, lambda cfg: contextlib.nullcontext()
-
-
-def gpt_config(size: dict[str, int], stack: str, remat: Any) -> model_lib.GPTConfig:
+def gpt_config(size: dict[str, int], stack: str, remat: Any,
+               dtype: str = "float32") -> model_lib.GPTConfig:
+  """The GPT of one configuration; ``dtype`` is its compute dtype (the
+  example's mixed precision: float32 parameters either way)."""
   return model_lib.GPTConfig(
       vocab_size=VOCAB, seq_len=size["seq_len"], num_layers=size["layers"],
       num_heads=size["heads"], d_model=size["d_model"], bias=False,
       stack="unrolled" if stack == "unrolled" else "scan",
-      remat=False if stack == "hk_layer_stack" else remat)
+      remat=False if stack == "hk_layer_stack" else remat, dtype=dtype)
 
 
 def gpt_loss(size: dict[str, int], stack: str, remat: Any, dtype: str):
   """``(transformed, loss)``: the model's ``hk.transform`` and the float32
   ``loss(params, tokens)`` of one configuration."""
-  cfg, cast, scope = compute_in(gpt_config(size, stack, remat), dtype)
+  cfg = gpt_config(size, stack, remat, dtype)
   if stack == "hk_layer_stack":
     def loss(tokens):
-      with scope(cfg):
+      with model_lib.precision(cfg):   # loss_fn enters it itself
         embed, head = model_lib._ends(cfg)  # pylint: disable=protected-access
         x = embed(tokens[:, :-1])
         block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
@@ -439,7 +417,7 @@ def gpt_loss(size: dict[str, int], stack: str, remat: Any, dtype: str):
   else:
     loss = lambda tokens: model_lib.loss_fn(cfg, tokens)[0]  # noqa: E731
   transformed = hk.transform(loss)
-  return transformed, lambda p, t: transformed.apply(cast(p), None, t).astype(jnp.float32)
+  return transformed, lambda p, t: transformed.apply(p, None, t).astype(jnp.float32)
 
 
 def gpt_tokens(size: dict[str, int], batch: int) -> jax.Array:
@@ -474,9 +452,8 @@ def gpt_part(part: dict[str, Any], size: dict[str, int], args, options,
           params.get(stack), gpt_tokens(size, b)).compile(compiler_options=options),
       limit, "gpt")
   part.update({"size": {**size, "batch": batch}, "batch_fitting": tries,
-               "bf16_compute": ("GPTConfig.dtype (the example's jmp mixed precision)"
-                                if OWN_PRECISION else "float32 parameters cast to "
-                                "bfloat16 inside the loss"), "runs": []})
+               "bf16_compute": "GPTConfig.dtype (the example's jmp mixed precision)",
+               "runs": []})
   tokens = gpt_tokens(size, batch)
   for dtype in DTYPES:
     harness.log(f"gpt, {dtype}, batch {batch}: compiling")
