@@ -45,6 +45,15 @@ in bfloat16; the layer norms' statistics, the attention softmax and the loss
 (the logits' log-softmax over the vocabulary) are float32. The stack's
 vmapped init and scanned apply call the blocks inside, so the policies reach
 every layer.
+
+``GPTConfig.attention`` chooses how the training forward pass attends:
+XLA's attention (the scores and probabilities materialised, ``[B, H, T, T]``
+a layer), or the Pallas TPU splash-attention kernel, which never writes them
+to memory. On a TPU v5e at the GPT-2-small shape (B=16, H=12, T=1024,
+bfloat16) the kernel's forward and backward took 4.2 ms a layer against
+XLA's 10.1 ms, with a fifth of the memory. ``"auto"`` takes the kernel on a
+TPU wherever it applies (a fold block, the sequence a multiple of 128) and
+XLA's attention elsewhere; decoding always takes XLA's (one query a step).
 """
 
 from __future__ import annotations
@@ -84,6 +93,10 @@ KINDS = {"L": "local", "G": "global"}
 RESIDUAL_OUTPUTS = ("attn/proj", "fc_out")
 #: The values of ``GPTConfig.dtype`` (``train.py --dtype``): the compute dtype.
 DTYPES = ("float32", "bfloat16")
+#: The values of ``GPTConfig.attention`` (``train.py --attention``).
+ATTENTIONS = ("auto", "xla", "splash")
+#: The splash kernel's blocks tile the sequence in multiples of this.
+SPLASH_TILE = 128
 Cache = dict[str, jax.Array]
 
 
@@ -119,6 +132,9 @@ class GPTConfig:
       ``"bfloat16"`` with float32 parameters, layer-norm statistics, softmax
       and loss (see the module docstring). Not part of the model's shape
       either: the parameters are float32 under both.
+    attention: one of :data:`ATTENTIONS`: ``"xla"``, ``"splash"`` (the
+      Pallas TPU kernel; interpreted, slowly, off a TPU) or ``"auto"``
+      (the kernel on a TPU where it applies). Not part of the model's shape.
   """
 
   vocab_size: int
@@ -137,6 +153,7 @@ class GPTConfig:
   pipeline: Optional[st.Pipeline] = None
   layer_drop: float = 0.0
   dtype: str = "float32"
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -162,6 +179,16 @@ class GPTConfig:
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (float32 "
                        "on CPU, bfloat16 on an accelerator).")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention={self.attention!r}: use one of {', '.join(ATTENTIONS)}.")
+    if self.attention == "splash" and self.block != "fold":
+      raise ValueError("attention='splash' needs block='fold': a scan block returns "
+                       "statistics of the attention probabilities, which the kernel "
+                       "never forms. Use attention='xla' (or 'auto') with block='scan'.")
+    if self.attention == "splash" and self.seq_len % SPLASH_TILE:
+      raise ValueError(f"attention='splash' needs seq_len to be a multiple of "
+                       f"{SPLASH_TILE} (got {self.seq_len}): its blocks tile the "
+                       "sequence. Use attention='auto', which falls back to XLA's.")
     if self.pipeline is not None and self.stack != "scan":
       raise ValueError(f"pipeline= needs stack='scan' (got stack={self.stack!r}): "
                        "a pipeline splits the layers of one st.Stacked; st.BlockSeq "
@@ -175,6 +202,15 @@ class GPTConfig:
     """How many layers of the stack are of kind ``letter`` (``L`` or ``G``)."""
     period = len(self.pattern)
     return sum(self.pattern[i % period] == letter for i in range(self.num_layers))
+
+  def uses_splash(self, length: int) -> bool:
+    """Whether a forward pass over ``length`` positions (no cache) takes the
+    splash kernel."""
+    if self.attention == "xla" or length % SPLASH_TILE:
+      return False
+    if self.attention == "splash":
+      return True
+    return self.block == "fold" and jax.default_backend() == "tpu"
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -224,6 +260,12 @@ class CausalSelfAttention(hk.Module):
       out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out),
                                "attn_out")
       return out, None, new_cache
+    if cfg.uses_splash(t):
+      out = _splash(cfg.num_heads, t, self.window)(q, k, v)
+      out = st.checkpoint_name(out.reshape(b, t, cfg.d_model), "attn_mix")
+      out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out),
+                               "attn_out")
+      return out, None, None
     mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
     # The softmax in float32 (the scores upcast), its probabilities back in
     # the compute dtype for their matmul with the values.
@@ -280,6 +322,42 @@ class CausalSelfAttention(hk.Module):
     ring = {name: old[name].at[:, :, where].set(new[name][:, :, t - newest:])
             for name in new}
     return out, ring if isinstance(cache, dict) else cache.write(ring)
+
+
+@functools.lru_cache(maxsize=None)
+def _splash(num_heads: int, length: int,
+            window: Optional[int]) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+  """Causal attention through the Pallas TPU splash kernel: ``(q, k, v) ->
+  out``, each ``[B, T, H, head_dim]``, the queries already scaled.
+
+  The kernel skips the blocks the causal (or sliding-window) mask hides and
+  keeps only each row's softmax statistics for the backward pass. Off a TPU
+  it runs in Pallas's interpreter, which only tests need.
+  """
+  # Imported here: Pallas's TPU modules are needed only where the kernel runs.
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+  if window is None:
+    one_head = mask_lib.CausalMask((length, length))
+  else:   # the query's own position and the window - 1 before it
+    one_head = mask_lib.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
+  # 512-position blocks measured fastest at T=1024 (4.2 ms forward and
+  # backward a layer, against 4.9 to 7.7 ms for the other sizes tried), with
+  # the fused backward kernel.
+  block = max(b for b in (512, 256, SPLASH_TILE) if length % b == 0)
+  sizes = kernel_lib.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+  attend = kernel_lib.make_splash_mha(
+      mask_lib.MultiHeadMask([one_head] * num_heads), block_sizes=sizes, head_shards=1,
+      q_seq_shards=1, interpret=jax.default_backend() != "tpu")
+
+  def heads_first(a):
+    return a.transpose(0, 2, 1, 3)
+
+  def run(q, k, v):
+    return heads_first(jax.vmap(attend)(heads_first(q), heads_first(k), heads_first(v)))
+  return run
 
 
 def _visible(query_pos: jax.Array, key_pos: jax.Array,

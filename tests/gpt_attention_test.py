@@ -1,0 +1,65 @@
+"""The GPT example's splash attention (``GPTConfig.attention``) against XLA's.
+
+The Pallas TPU kernel runs here in Pallas's interpreter, so what it computes
+is checked on a CPU: the loss and every parameter's gradient of a stacked
+model (the kernel inside ``st.Stacked``'s vmapped init and scanned apply,
+under a checkpoint policy) equal XLA attention's, for full causal attention
+and for a sliding window (a ``"LG"`` pattern). Then what ``"auto"`` picks,
+and the configurations refused with the fix named.
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples.gpt import model as model_lib
+
+T = 2 * model_lib.SPLASH_TILE    # two kernel blocks of 128 positions
+
+
+def config(attention, **kwargs):
+  return model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=T, num_layers=2, num_heads=2,
+                                       d_model=16, attention=attention), **kwargs})
+
+
+def loss_and_grads(cfg, tokens):
+  model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
+  params = model.init(jax.random.PRNGKey(0), tokens)
+  return jax.jit(jax.value_and_grad(model.apply))(params, tokens)
+
+
+@pytest.mark.parametrize("kwargs", [dict(remat="full"),
+                                    dict(pattern="LG", window=40, remat=False)],
+                         ids=["causal-full-remat", "sliding-window"])
+def test_splash_equals_xla_attention(kwargs):
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, T + 1)), jnp.int32)
+  loss_x, grads_x = loss_and_grads(config("xla", **kwargs), tokens)
+  loss_s, grads_s = loss_and_grads(config("splash", **kwargs), tokens)
+  np.testing.assert_allclose(loss_s, loss_x, rtol=1e-5)
+  for path, gx in jax.tree_util.tree_leaves_with_path(grads_x):
+    gs = grads_s
+    for key in path:
+      gs = gs[key.key]
+    scale = float(np.max(np.abs(gx))) or 1.0
+    np.testing.assert_allclose(np.asarray(gs) / scale, np.asarray(gx) / scale, atol=2e-5,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_auto_takes_the_kernel_only_where_it_applies():
+  on_cpu = jax.default_backend() == "cpu"
+  assert not config("auto").uses_splash(T) or not on_cpu   # XLA's off a TPU
+  assert config("splash").uses_splash(T)
+  assert not config("splash").uses_splash(T + 1)            # a prompt of any length
+  assert not config("xla").uses_splash(T)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(attention="flash"), "use one of auto, xla, splash"),
+    (dict(attention="splash", block="scan"), "needs block='fold'"),
+    (dict(attention="splash", seq_len=100), "multiple of 128"),
+])
+def test_refused_with_the_fix(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=T), **kwargs})
