@@ -1,6 +1,6 @@
-"""On an accelerator: the scanned stack against the unrolled one, decode and offload against their floors.
+"""On an accelerator: the scanned stack against the unrolled one, decode and offload against their floors, and the example's train step.
 
-One prepared run (at most 8 minutes on one TPU v5e chip) in three parts,
+One prepared run (at most 8 minutes on one TPU v5e chip) in four parts,
 each measured side by side in this one process, its contenders alternated:
 
 * ``gpt``: the example's GPT (``examples/gpt/model.py``) at the GPT-2-small
@@ -23,6 +23,11 @@ each measured side by side in this one process, its contenders alternated:
   host link's bandwidth both ways (measured inside a jitted program, as an
   offloading loop moves its carries: see :func:`host_link`), from which the
   time that moving the offloaded bytes out and back takes.
+* ``train``: the example's whole train step (``train.make_train_step``,
+  AdamW included) at the GPT-2-small shape in bfloat16, with the attention
+  ``GPTConfig``'s default picks (the splash kernel on a TPU), at batches 8,
+  16 and 32 under each remat of :data:`TRAIN_REMATS`: tokens/s, model TFLOP/s
+  and MFU against the device's peak (``train.PEAK_FLOPS``).
 
 Sizes are scaled to the device: a batch is halved until its float32 program
 (the unrolled GPT without remat, the decode cache, full's GPT at d=2048)
@@ -73,10 +78,11 @@ from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
 from examples.gpt import model as model_lib
+from examples.gpt import train as train_lib
 # pylint: enable=wrong-import-position
 
 NAME = "accelerator"
-PARTS = ("gpt", "decode", "offload")
+PARTS = ("gpt", "decode", "offload", "train")
 DTYPES = ("float32", "bfloat16")
 #: The example's default remat: full, keeping the matmul outputs.
 DEFAULT = st.CheckpointPolicy(save_block_internals=model_lib.KEPT_MATMUL_OUTPUTS)
@@ -94,6 +100,9 @@ GPT_RUNS = (
 #: (label of the scanned run, label of the unrolled run) whose ratios are reported.
 RATIOS = {"none": ("Stacked, none", "BlockSeq (unrolled), none"),
           "example default": ("Stacked, example default", "BlockSeq, example default")}
+#: The train part's remat policies (label, remat), each at every batch.
+TRAIN_REMATS = (("none", "none"), ("example default", DEFAULT), ("full", "full"),
+                ("nested", "nested"))
 #: Decode's contenders, each against the floor.
 DECODED = ("in_place", "unrolled", "sliced")
 #: The share of the device's memory a program's batch is fitted into.
@@ -106,6 +115,7 @@ SIZES = {
         "mlp": dict(width=2048, batch=8192, layers=32),
         "wide_gpt": dict(layers=8, d_model=2048, heads=16, seq_len=1024, batch=8),
         "link_bytes": 2**30,
+        "train": dict(layers=12, d_model=768, heads=12, seq_len=1024, batches=(8, 16, 32)),
     },
     "small": {
         "gpt": dict(layers=4, d_model=64, heads=2, seq_len=64, batch=4),
@@ -114,6 +124,7 @@ SIZES = {
         "mlp": dict(width=128, batch=256, layers=8),
         "wide_gpt": dict(layers=2, d_model=128, heads=4, seq_len=64, batch=4),
         "link_bytes": 2**24,
+        "train": dict(layers=2, d_model=64, heads=2, seq_len=64, batches=(4,)),
     },
     "quick": {
         "gpt": dict(layers=2, d_model=32, heads=2, seq_len=16, batch=2),
@@ -122,6 +133,7 @@ SIZES = {
         "mlp": dict(width=32, batch=16, layers=4),
         "wide_gpt": dict(layers=2, d_model=64, heads=2, seq_len=16, batch=2),
         "link_bytes": 2**20,
+        "train": dict(layers=2, d_model=32, heads=2, seq_len=16, batches=(2,)),
     },
 }
 VOCAB = 256
@@ -721,6 +733,52 @@ def offload_part(part: dict[str, Any], sizes: dict[str, Any], args, options,
 
 
 # ---------------------------------------------------------------------------
+# Part 4: the example's train step, tokens/s against batch for each remat.
+
+
+def train_part(part: dict[str, Any], size: dict[str, Any], args, options,
+               report: Callable[[], None]) -> None:
+  """The example's whole train step (AdamW included) in bfloat16 at every
+  batch of ``size["batches"]`` under each of :data:`TRAIN_REMATS`, into
+  ``part``: tokens/s, model TFLOP/s and MFU (where the device's peak is
+  known); ``report()`` after each batch."""
+  import optax  # pylint: disable=g-import-not-at-top
+  peak = train_lib.peak_flops(jax.devices()[0].device_kind)
+  part.update({"size": size, "peak_flops": peak, "runs": []})
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
+  for batch in size["batches"]:
+    specs = []
+    for label, remat in TRAIN_REMATS:
+      cfg = gpt_config({**size, "batch": batch}, "scan", remat, "bfloat16")
+      model = train_lib.transform(cfg)
+      tokens = gpt_tokens(size, batch)
+      params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
+      flops = train_lib.model_flops_per_token(
+          cfg, sum(a.size for a in jax.tree.leaves(params)))
+      record = {"label": label, "remat": remat_label(remat), "dtype": "bfloat16",
+                "batch": batch, "attention": "splash" if cfg.uses_splash(size["seq_len"])
+                else "xla", "flops_per_token": flops}
+      specs.append((record, train_lib.make_train_step(model, optimizer),
+                    (params, optimizer.init(params), tokens), None))
+    harness.log(f"train, batch {batch}: compiling {len(specs)}")
+    runs = compile_runs(specs, options, args.compile_threads)
+    del specs
+    time_runs(runs, args.rounds, args.steps)
+    for run in runs:
+      r = run.record
+      if "step_s" in r:
+        r["tokens_s"] = batch * size["seq_len"] / r["step_s"]
+        r["model_tflop_s"] = r["tokens_s"] * r["flops_per_token"] / 1e12
+        r["mfu"] = None if peak is None else r["model_tflop_s"] * 1e12 / peak
+        harness.log(f"  {r['label']:16s} batch {batch:3d} {r['tokens_s'] / 1e3:8.1f}k tokens/s"
+                    + ("" if peak is None else f"  MFU {100 * r['mfu']:.1f}%"))
+      part["runs"].append(r)
+    del runs
+    gc.collect()
+    report()
+
+
+# ---------------------------------------------------------------------------
 # The summary, the page's tables and the plot.
 
 
@@ -900,6 +958,28 @@ def markdown(payload: dict[str, Any]) -> str:
     else:
       lines += ["", f"Host link not measured: {link['why_not']}."]
     lines.append("")
+  if payload.get("train", {}).get("runs"):
+    part = payload["train"]
+    size = part["size"]
+    attention = sorted({r["attention"] for r in part["runs"]})
+    lines += [f"**The example's train step** (AdamW included; L={size['layers']}, "
+              f"d={size['d_model']}, T={size['seq_len']}, bfloat16 compute, "
+              f"{' and '.join(attention)} attention): tokens/s by batch and remat", "",
+              "| remat | " + " | ".join(f"batch {b}" for b in size["batches"]) + " |",
+              "|---|" + "---:|" * len(size["batches"])]
+    by = {(r["label"], r["batch"]): r for r in part["runs"]}
+    for label, _ in TRAIN_REMATS:
+      cells = []
+      for b in size["batches"]:
+        r = by.get((label, b), {})
+        if "tokens_s" in r:
+          cells.append(f"{r['tokens_s'] / 1e3:.1f}k" + (
+              "" if r.get("mfu") is None else f" ({100 * r['mfu']:.1f}% MFU, "
+              f"{_gib(r['temp_bytes'])} GiB)"))
+        else:
+          cells.append(oom_text(r) if "out_of_memory" in r else "")
+      lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
   for name_of_part in PARTS:
     failed = payload.get(name_of_part, {}).get("failed")
     if failed:
@@ -921,7 +1001,7 @@ def _x(ratio: Optional[float]) -> str:
 
 def draw(payload: dict[str, Any]):
   def fig_fn(plt):
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
     ax = axes[0]
     for dtype, marker in zip(DTYPES, ("o", "s")):
       for r in payload.get("gpt", {}).get("runs", []):
@@ -932,7 +1012,8 @@ def draw(payload: dict[str, Any]):
                       xytext=(4, 2), textcoords="offset points")
       ax.scatter([], [], marker=marker, color="C0" if dtype == "float32" else "C1",
                  label=dtype if dtype == "float32" else "bfloat16 compute")
-    ax.set_xscale("log")
+    if payload.get("gpt", {}).get("runs"):
+      ax.set_xscale("log")
     ax.set_xlabel("compiled temp memory (GiB, log)")
     ax.set_ylabel("step (ms)")
     ax.set_title("GPT: step time against memory")
@@ -944,7 +1025,8 @@ def draw(payload: dict[str, Any]):
              [r["ratios_to_floor"].get(name, 0) for r in rows], width=0.25, label=name)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="floor")
     ax.set_xticks(range(len(rows)), [f"batch {r['batch']}\n{r['dtype']}" for r in rows])
-    ax.set_yscale("log")
+    if rows:   # a run of other parts has none to scale
+      ax.set_yscale("log")
     ax.set_ylabel("decode step over the floor (log)")
     ax.set_title("Decode: one token at T/2")
     ax.legend(fontsize=8)
@@ -970,6 +1052,20 @@ def draw(payload: dict[str, Any]):
       ax.set_axis_off()
       ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center",
               transform=ax.transAxes)
+    ax = axes[3]
+    runs = payload.get("train", {}).get("runs", [])
+    for label, _ in TRAIN_REMATS:
+      points = sorted((r["batch"], r["tokens_s"] / 1e3) for r in runs
+                      if r["label"] == label and "tokens_s" in r)
+      if points:
+        ax.plot(*zip(*points), marker="o", label=label)
+    if runs:
+      ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (sequences)")
+    ax.set_ylabel("tokens/s (thousands)")
+    ax.set_title("The example's train step (bfloat16)")
+    if runs:
+      ax.legend(fontsize=8)
     fig.suptitle(f"{payload['environment']['device']}, jax {payload['environment']['jax']}")
     return fig
   return fig_fn
@@ -1039,7 +1135,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   parts = {"gpt": lambda part: gpt_part(part, sizes["gpt"], args, options, limit, report),
            "decode": lambda part: decode_part(part, sizes["decode"], args, options, limit,
                                               report),
-           "offload": lambda part: offload_part(part, sizes, args, options, limit, report)}
+           "offload": lambda part: offload_part(part, sizes, args, options, limit, report),
+           "train": lambda part: train_part(part, sizes["train"], args, options, report)}
   earlier = earlier_parts(args, name)
   for name_of_part in PARTS:
     if name_of_part not in args.parts:

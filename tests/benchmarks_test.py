@@ -6,7 +6,7 @@ JSON is checked for the keys the README section reads and for positive
 numbers. The full runs are not tests: their numbers are timings and memory
 of one machine, committed in ``benchmarks/results``. A quick run given no
 ``--results_dir`` writes into a scratch folder, and leaves every tracked
-result as it was; ``accelerator.py`` runs its ``--small`` preset (all three
+result as it was; ``accelerator.py`` runs its ``--small`` preset (all four
 parts at CPU sizes).
 
 Four scripts run in this process (their ``main(argv)``); one runs as a user
@@ -364,11 +364,23 @@ def test_accelerator_small(tmp_path):
   assert "CPU" in link["why_not"]
   assert set(result["summary"]["goals"]) >= {
       "decode: in place <= 1.2x the floor", "offload MLP: <= 1.15x max(full, transfer)"}
-  # The page's section: the run, the command, three tables and the plot.
+  # The train step: every remat at each batch, tokens/s from its step, no
+  # MFU where the device's peak is unknown (a CPU).
+  part = result["train"]
+  size = part["size"]
+  assert part["peak_flops"] is None
+  assert {(r["label"], r["batch"]) for r in part["runs"]} == {
+      (label, b) for label, _ in accelerator.TRAIN_REMATS for b in size["batches"]}
+  for run in part["runs"]:
+    assert run["tokens_s"] == pytest.approx(run["batch"] * size["seq_len"] / run["step_s"])
+    assert run["mfu"] is None and run["attention"] == "xla"
+    assert run["flops_per_token"] > 12 * size["layers"] * size["d_model"] * size["seq_len"]
+  # The page's section: the run, the command, four tables and the plot.
   markdown = result["markdown"]
   assert markdown.startswith("| run | machine | versions | took |")
   assert f"```bash\n{result['command']}\n```" in markdown
-  assert markdown.count("|---|") >= 4 and f"results/{name}.png)" in markdown
+  assert markdown.count("|---|") >= 5 and f"results/{name}.png)" in markdown
+  assert "**The example's train step**" in markdown
 
 
 def test_accelerator_records_what_does_not_fit():
