@@ -26,7 +26,10 @@ def config(attention, **kwargs):
 
 def loss_and_grads(cfg, tokens):
   model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
-  params = model.init(jax.random.PRNGKey(0), tokens)
+  # The kernel is first built inside a jitted init, as train.py builds it;
+  # the cached kernel then serves the other traces.
+  model_lib._splash.cache_clear()  # pylint: disable=protected-access
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
   return jax.jit(jax.value_and_grad(model.apply))(params, tokens)
 
 

@@ -348,9 +348,12 @@ def _splash(num_heads: int, length: int,
   sizes = kernel_lib.BlockSizes(
       block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
       block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
-  attend = kernel_lib.make_splash_mha(
-      mask_lib.MultiHeadMask([one_head] * num_heads), block_sizes=sizes, head_shards=1,
-      q_seq_shards=1, interpret=jax.default_backend() != "tpu")
+  # Built eagerly, whatever is being traced: the kernel's mask tables are
+  # arrays, kept (cached) for every later trace.
+  with jax.ensure_compile_time_eval():
+    attend = kernel_lib.make_splash_mha(
+        mask_lib.MultiHeadMask([one_head] * num_heads), block_sizes=sizes, head_shards=1,
+        q_seq_shards=1, interpret=jax.default_backend() != "tpu")
 
   def heads_first(a):
     return a.transpose(0, 2, 1, 3)
