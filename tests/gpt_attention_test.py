@@ -50,12 +50,19 @@ def test_splash_equals_xla_attention(kwargs):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_auto_takes_the_kernel_only_where_it_applies():
-  on_cpu = jax.default_backend() == "cpu"
-  assert not config("auto").uses_splash(T) or not on_cpu   # XLA's off a TPU
+def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
   assert config("splash").uses_splash(T)
   assert not config("splash").uses_splash(T + 1)            # a prompt of any length
   assert not config("xla").uses_splash(T)
+  assert not config("auto").uses_splash(T)                  # XLA's off a TPU
+  # On a TPU: one chip and a fold block, the sequence a multiple of 128.
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  assert config("auto").uses_splash(T)
+  assert not config("auto").uses_splash(T - 1)
+  assert not config("auto", block="scan").uses_splash(T)    # its stats need the probabilities
+  monkeypatch.setattr(jax, "device_count", lambda: 8)      # XLA cannot split the kernel
+  assert not config("auto").uses_splash(T)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -52,8 +52,10 @@ a layer), or the Pallas TPU splash-attention kernel, which never writes them
 to memory. On a TPU v5e at the GPT-2-small shape (B=16, H=12, T=1024,
 bfloat16) the kernel's forward and backward took 4.2 ms a layer against
 XLA's 10.1 ms, with a fifth of the memory. ``"auto"`` takes the kernel on a
-TPU wherever it applies (a fold block, the sequence a multiple of 128) and
-XLA's attention elsewhere; decoding always takes XLA's (one query a step).
+single TPU chip wherever it applies (a fold block, the sequence a multiple
+of 128) and XLA's attention elsewhere: XLA cannot partition the kernel's
+call over a mesh of several devices (it would gather the batch on each).
+Decoding always takes XLA's attention (one query a step).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class GPTConfig:
       either: the parameters are float32 under both.
     attention: one of :data:`ATTENTIONS`: ``"xla"``, ``"splash"`` (the
       Pallas TPU kernel; interpreted, slowly, off a TPU) or ``"auto"``
-      (the kernel on a TPU where it applies). Not part of the model's shape.
+      (the kernel on one TPU chip where it applies). Not part of the model's
+      shape.
   """
 
   vocab_size: int
@@ -210,7 +213,10 @@ class GPTConfig:
       return False
     if self.attention == "splash":
       return True
-    return self.block == "fold" and jax.default_backend() == "tpu"
+    # One chip: XLA's partitioner cannot split the kernel's custom call, so
+    # on a mesh of several it would gather the whole batch on every device.
+    return (self.block == "fold" and jax.default_backend() == "tpu"
+            and jax.device_count() == 1)
 
   @property
   def compute_dtype(self) -> jnp.dtype:

@@ -121,8 +121,9 @@ _ATTENTION = flags.DEFINE_enum(
     "attention", "auto", model_lib.ATTENTIONS, "How the blocks attend while "
     "training: xla (XLA's attention), splash (the Pallas TPU kernel, which never "
     "forms the [T, T] scores; 2.4x faster at T=1024 on a TPU v5e) or auto (splash "
-    "on a TPU for --block=fold when --seq_len is a multiple of 128, else xla). "
-    "Not part of the checkpoint.")
+    "on a single TPU chip for --block=fold when --seq_len is a multiple of 128, "
+    "else xla: XLA cannot split the kernel over several devices). Not part of "
+    "the checkpoint.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
