@@ -207,7 +207,8 @@ def _fastest(reference: Sequence[float],
 def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
            measure: bool, repeats: int, offload: Optional[bool],
            only: Optional[Sequence[str]],
-           traced: Optional[report_lib.Traced] = None) -> report_lib.RematReport:
+           traced: Optional[report_lib.Traced] = None,
+           donate_argnums: Sequence[int] = ()) -> report_lib.RematReport:
   """The report of :func:`plan_remat`'s few compiles, its choice marked.
 
   See the module docstring for the procedure.
@@ -217,7 +218,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   if measure:
     report_lib._check_measurable(args)  # pylint: disable=protected-access
   plans = report_lib.Plans(step_fn, args, traced or report_lib.trace(step_fn, *args),
-                           offload=offload, only=only)
+                           offload=offload, only=only, donate_argnums=donate_argnums)
   predicted = plans.predicted
   names = lambda i: plans.row(i).plan_text()
   reference = plans.reference()
@@ -291,7 +292,8 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
                measure: bool = True, repeats: int = 3,
                offload: Optional[bool] = None,
                only: Optional[Sequence[str]] = None,
-               cache_dir: Optional[str] = None) -> RematPlan:
+               cache_dir: Optional[str] = None,
+               donate_argnums: Sequence[int] = ()) -> RematPlan:
   """Chooses the remat of every ``remat="auto"`` stack under a memory budget.
 
   Predicts every candidate plan's temp memory and FLOPs from one trace of
@@ -342,6 +344,10 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     only: as in :func:`stacktools.remat_report`.
     cache_dir: where plans are remembered; default
       ``$STACKTOOLS_PLAN_CACHE``, and none when that is unset.
+    donate_argnums: the arguments the step that runs donates, as given to
+      ``jax.jit`` (a train step's parameters and optimizer state): the
+      candidates are compiled donating them too, so that the budget is met
+      by the temp memory of that step. Timed runs get copies of them.
 
   Returns:
     The plan: a context manager, with ``plan.report``.
@@ -365,13 +371,16 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     if cache is not None:
       key = _plan_cache.key(traced.text(), args, {
           "budget": budget_bytes, "measure": measure, "offload": offload,
-          "only": None if only is None else [only] if isinstance(only, str) else list(only)})
+          "only": None if only is None else [only] if isinstance(only, str) else list(only),
+          "donate_argnums": list(report_lib._donated(  # pylint: disable=protected-access
+              donate_argnums, len(args)))})
       plan = _remembered(cache, key, traced, offload=offload, only=only)
       if plan is not None:
         plan.seconds = time.perf_counter() - start
         return plan
     report = choose(step_fn, *args, budget=budget, measure=measure,
-                    repeats=repeats, offload=offload, only=only, traced=traced)
+                    repeats=repeats, offload=offload, only=only, traced=traced,
+                    donate_argnums=donate_argnums)
     report = dataclasses.replace(report, seconds=time.perf_counter() - start)
   labels = dict(report.chosen.plan)
   path = None if cache is None else cache.store(key, {

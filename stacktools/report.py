@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import jax
+import jax.numpy as jnp
 
 from stacktools import _checks
 from stacktools import _costs
@@ -518,9 +519,12 @@ MEMORY_ONLY = {"xla_backend_optimization_level": 0,
 
 
 def compile_plan(step_fn: Callable[..., Any], args: Sequence[Any],
-                 choice: Mapping[str, Any], *, memory_only: bool = False) -> Compiled:
-  """Compiles ``step_fn`` with its stacks running ``choice``."""
-  lowered = jax.jit(under(Fixed(choice), step_fn)).lower(*args)
+                 choice: Mapping[str, Any], *, memory_only: bool = False,
+                 donate_argnums: Sequence[int] = ()) -> Compiled:
+  """Compiles ``step_fn`` with its stacks running ``choice`` (and the
+  arguments ``donate_argnums`` donated, as the step that runs donates them)."""
+  lowered = jax.jit(under(Fixed(choice), step_fn),
+                    donate_argnums=tuple(donate_argnums)).lower(*args)
   compiled = None
   if memory_only:
     try:
@@ -537,21 +541,37 @@ def compile_plan(step_fn: Callable[..., Any], args: Sequence[Any],
                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
 
 
-def time_runs(executables: Sequence[Any], args: Sequence[Any],
-              repeats: int) -> list[list[float]]:
+def time_runs(executables: Sequence[Any], args: Sequence[Any], repeats: int,
+              donate_argnums: Sequence[int] = ()) -> list[list[float]]:
   """Seconds per run of each executable, ``repeats`` rounds, interleaved.
 
   Each round runs every executable once, the order reversed every other
-  round, so that a drift in the machine's load falls on all of them.
+  round, so that a drift in the machine's load falls on all of them. An
+  executable that donates arguments consumes them: each run gets its own
+  copies of those, made before its clock starts.
   """
   runs: list[list[float]] = [[] for _ in executables]
   order = list(range(len(executables)))
   for r in range(repeats):
     for i in (order if r % 2 == 0 else order[::-1]):
+      call_args = [jax.tree_util.tree_map(jnp.copy, a) if n in donate_argnums else a
+                   for n, a in enumerate(args)]
+      jax.block_until_ready(call_args)
       start = time.perf_counter()
-      jax.block_until_ready(executables[i](*args))
+      jax.block_until_ready(executables[i](*call_args))
       runs[i].append(time.perf_counter() - start)
   return runs
+
+
+def _donated(donate_argnums: Union[int, Sequence[int]], num_args: int) -> tuple[int, ...]:
+  """``donate_argnums`` as a sorted tuple; one that names no argument is refused."""
+  numbers = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+  wrong = [n for n in numbers if not isinstance(n, int) or not 0 <= n < num_args]
+  if wrong:
+    raise ValueError(f"{_checks.where()}donate_argnums={donate_argnums!r} names {wrong}, "
+                     f"but the step is given {num_args} arguments: give the positions "
+                     f"(0 to {num_args - 1}) of those the step that runs donates.")
+  return tuple(sorted(set(numbers)))
 
 
 def _restrict(found: dict[str, Any], only: Optional[Sequence[str]],
@@ -626,8 +646,9 @@ class Plans:
 
   def __init__(self, step_fn: Callable[..., Any], args: Sequence[Any],
                traced: Traced, *, offload: Optional[bool],
-               only: Optional[Sequence[str]]):
+               only: Optional[Sequence[str]], donate_argnums: Sequence[int] = ()):
     self.step_fn, self.args, self.traced = step_fn, tuple(args), traced
+    self.donate_argnums = _donated(donate_argnums, len(self.args))
     if offload is None:
       offload = host_memory_available()
     found = {s.key: candidates(s, offload=offload) for s in traced.stacks}
@@ -678,7 +699,7 @@ class Plans:
     start = time.perf_counter()
     try:
       compiled = compile_plan(self.step_fn, self.args, self.choice(self.plans[i]),
-                              memory_only=memory_only)
+                              memory_only=memory_only, donate_argnums=self.donate_argnums)
     except Exception as e:  # pylint: disable=broad-except
       # A candidate too big for the device is one that does not fit, not the
       # end of the planning (on a TPU, XLA refuses to compile it).
@@ -699,7 +720,9 @@ class Plans:
     """Times plans (compiling them for speed first), interleaved."""
     executables = [self.compile(i).executable for i in indices]
     start = time.perf_counter()
-    for i, runs in zip(indices, time_runs(executables, self.args, repeats)):
+    timed = (time_runs(executables, self.args, repeats, self.donate_argnums)
+             if self.donate_argnums else time_runs(executables, self.args, repeats))
+    for i, runs in zip(indices, timed):
       self.times[i] = self.times.get(i, []) + runs
     self.compile_seconds += time.perf_counter() - start
 
@@ -728,7 +751,8 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
                  repeats: int = 3, offload: Optional[bool] = None,
                  only: Optional[Sequence[str]] = None,
                  budget: Union[int, str, None] = None,
-                 compile_all: bool = False) -> RematReport:
+                 compile_all: bool = False,
+                 donate_argnums: Sequence[int] = ()) -> RematReport:
   """Predicts every candidate plan's cost; compiles one, or a few, or all.
 
   ``step_fn``'s stacks are built with ``remat="auto"``; they are found by
@@ -774,33 +798,42 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
       :func:`stacktools.plan_remat` chooses under it is made and marked.
     compile_all: compile every plan (and with ``measure=True`` time those
       within ``budget``), to check the predictions: one compile per plan.
+    donate_argnums: the arguments the step that runs donates (``jax.jit``'s
+      ``donate_argnums``; a train step's parameters and optimizer state):
+      every plan is compiled donating them too, so that its temp memory is
+      the one that step has, and each timed run gets copies of them.
 
   Returns:
     The report.
 
   Raises:
-    ValueError: for a label in ``only`` that is no stack's candidate, or
-      ``measure=True`` with ``jax.ShapeDtypeStruct`` arguments.
+    ValueError: for a label in ``only`` that is no stack's candidate, for
+      ``measure=True`` with ``jax.ShapeDtypeStruct`` arguments, or for a
+      ``donate_argnums`` that names no argument.
   """
   with _checks.subject("st.remat_report"):
     if budget is not None and not compile_all:
       # plan.py builds on this module; imported where a choice is asked for.
       from stacktools import plan as plan_lib  # pylint: disable=g-import-not-at-top
       return plan_lib.choose(step_fn, *args, budget=budget, measure=measure,
-                             repeats=repeats, offload=offload, only=only)
+                             repeats=repeats, offload=offload, only=only,
+                             donate_argnums=donate_argnums)
     return build(step_fn, *args, measure=measure, repeats=repeats, offload=offload,
-                 only=only, budget=budget, compile_all=compile_all)
+                 only=only, budget=budget, compile_all=compile_all,
+                 donate_argnums=donate_argnums)
 
 
 def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
           offload: Optional[bool], only: Optional[Sequence[str]],
-          budget: Union[int, str, None], compile_all: bool) -> RematReport:
+          budget: Union[int, str, None], compile_all: bool,
+          donate_argnums: Sequence[int] = ()) -> RematReport:
   """:func:`remat_report` without a choice, its mistakes named after the
   caller's subject: the reference compiled, or every plan."""
   start = time.perf_counter()
   if measure:
     _check_measurable(args)
-  plans = Plans(step_fn, args, trace(step_fn, *args), offload=offload, only=only)
+  plans = Plans(step_fn, args, trace(step_fn, *args), offload=offload, only=only,
+                donate_argnums=donate_argnums)
   budget_bytes = None if budget is None else parse_bytes(budget)
   order = [plans.reference()]
   if compile_all:

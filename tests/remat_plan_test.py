@@ -468,3 +468,50 @@ def test_parse_bytes(budget, expected):
 def test_parse_bytes_refuses(budget):
   with pytest.raises((ValueError, TypeError)):
     report_lib.parse_bytes(budget)
+
+
+# ---------------------------------------------------------------------------
+# Donated arguments: the planner compiles the step that trains.
+
+
+def _sgd_step():
+  """A train step that returns its new parameters (donated when it runs)."""
+  grad_step, params, x, _ = _auto_step()
+
+  def train_step(params, x):
+    loss, grads = grad_step(params, x)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+  return train_step, params, x
+
+
+def test_donated_arguments_are_planned_as_the_step_donates_them():
+  train_step, params, x = _sgd_step()
+  plan = st.plan_remat(train_step, params, x, budget="64MiB", measure=True, repeats=2,
+                       only=("none", "full"), donate_argnums=(0,))
+  # Each compiled candidate's temp memory is that of the donating step.
+  compiled_rows = [row for row in plan.report.rows if row.temp_bytes is not None]
+  assert len(compiled_rows) == 2, plan.report
+  for row in compiled_rows:
+    choice = {k: plan.report.remats[k][label] for k, label in row.plan.items()}
+    step = report_lib.under(report_lib.Fixed(choice), train_step)
+    donating = jax.jit(step, donate_argnums=(0,)).lower(params, x).compile()
+    keeping = jax.jit(step).lower(params, x).compile()
+    assert row.temp_bytes == donating.memory_analysis().temp_size_in_bytes, row
+    # ... which is not the temp of the step that keeps its arguments.
+    assert row.temp_bytes != keeping.memory_analysis().temp_size_in_bytes, row
+  # The timed runs donated copies: the caller's parameters are still there.
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(params))
+  # What a plan without donation compiled differs (the planner keeps them apart).
+  keeping_plan = st.plan_remat(train_step, params, x, budget="64MiB", measure=False,
+                               only=("full",))
+  donating_plan = st.plan_remat(train_step, params, x, budget="64MiB", measure=False,
+                                only=("full",), donate_argnums=0)
+  assert keeping_plan.report.rows[0].temp_bytes != donating_plan.report.rows[0].temp_bytes
+
+
+def test_donate_argnums_that_name_no_argument_are_refused():
+  train_step, params, x = _sgd_step()
+  with pytest.raises(ValueError, match=r"st.plan_remat: donate_argnums=\(2,\) names \[2\], "
+                     r"but the step is given 2 arguments: give the positions \(0 to 1\)"):
+    st.plan_remat(train_step, params, x, budget="64MiB", measure=False,
+                  only=("full",), donate_argnums=(2,))

@@ -5,7 +5,7 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --stack=unrolled        # st.BlockSeq, a Python loop
   python examples/gpt/train.py --remat=full --save_names=attn_out,mlp_hidden
   python examples/gpt/train.py --remat=none:2,full:2   # per-depth segments
-  python examples/gpt/train.py --remat=auto --memory_budget=24MiB  # planned
+  python examples/gpt/train.py --remat=auto --memory_budget=32MiB  # planned
   python examples/gpt/train.py --optimizer=muon --layer_lr_decay=0.8 --freeze_layers=0:1 --layer_drop=0.1
   # Fine-tune an earlier run's parameters; or grow its 2 layers to 4 and go on:
   python examples/gpt/train.py --init_from=workdir/gpt --freeze_layers=0:2 --workdir=workdir/tuned
@@ -591,9 +591,11 @@ def plan_remat(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation
   model = transform(cfg)
   logging.info("Planning --remat=auto within --memory_budget=%s.", _MEMORY_BUDGET.value)
   try:
+    # Donated as the step that trains donates them: the budget is that
+    # step's temp memory.
     plan = st.plan_remat(make_train_step(model, optimizer), params, opt_state, batch,
                          budget=_MEMORY_BUDGET.value, only=_REMAT_CANDIDATES.value,
-                         cache_dir=workdir)
+                         cache_dir=workdir, donate_argnums=(0, 1))
   except ValueError as e:
     # What the planner says of only= is about the labels, --remat_candidates;
     # the rest is about the budget.
