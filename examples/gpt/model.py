@@ -260,29 +260,24 @@ class CausalSelfAttention(hk.Module):
     # scores would (T = 2 * head_dim here); with the mask added as a bias the
     # step took 0.96x the time of scaling and masking the scores.
     q = q * (1 / head_dim**0.5)
+    probs = new_cache = None
     if cache is not None:
-      out, new_cache = self._cached(q, k, v, cache, pos)
-      out = st.checkpoint_name(out.reshape(b, t, cfg.d_model), "attn_mix")
-      out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out),
-                               "attn_out")
-      return out, None, new_cache
-    if cfg.uses_splash(t):
-      out = _splash(cfg.num_heads, t, self.window)(q, k, v)
-      out = st.checkpoint_name(out.reshape(b, t, cfg.d_model), "attn_mix")
-      out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out),
-                               "attn_out")
-      return out, None, None
-    mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
-    # The softmax in float32 (the scores upcast), its probabilities back in
-    # the compute dtype for their matmul with the values.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    scores = st.checkpoint_name(
-        scores + jnp.where(mask, 0.0, jnp.finfo(scores.dtype).min), "attn_scores")
-    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype), "attn_probs")
-    out = st.checkpoint_name(
-        jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.d_model), "attn_mix")
+      mixed, new_cache = self._cached(q, k, v, cache, pos)
+    elif cfg.uses_splash(t):
+      mixed = _splash(cfg.num_heads, t, self.window)(q, k, v)
+    else:
+      mask = _visible(jnp.arange(t), jnp.arange(t), self.window)
+      # The softmax in float32 (the scores upcast), its probabilities back in
+      # the compute dtype for their matmul with the values.
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+      scores = st.checkpoint_name(
+          scores + jnp.where(mask, 0.0, jnp.finfo(scores.dtype).min), "attn_scores")
+      probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(v.dtype),
+                                 "attn_probs")
+      mixed = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    out = st.checkpoint_name(mixed.reshape(b, t, cfg.d_model), "attn_mix")
     out = st.checkpoint_name(Linear(cfg.d_model, with_bias=cfg.bias, name="proj")(out), "attn_out")
-    return out, probs, None
+    return out, probs, new_cache
 
   def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any,
               pos: jax.Array) -> tuple[jax.Array, Any]:
