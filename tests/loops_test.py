@@ -479,14 +479,19 @@ def test_nested_keeps_sqrt_n_carries():
   assert 0 < carry_elems <= (2 * math.sqrt(n) + 2) * RB * RD, residuals
 
 
-def test_offload_keeps_carries_and_inputs_on_host():
+def test_offload_keeps_carries_on_host_and_reads_inputs_where_they_are():
   n = 8
   computed = _computed(_residuals("offload", n))
   on_host = [a for a in computed if _on_host(a)]
   on_device = [a for a in computed if not _on_host(a)]
   assert [a.shape for a in on_host if a.shape == (n, RB, RD)] == [(n, RB, RD)]
-  assert [a.shape for a in on_host if a.shape == (n, RD, RD)] == [(n, RD, RD)]
+  # The per-layer weights are the loop's inputs: no host copy of them.
+  assert not [a for a in computed if a.shape == (n, RD, RD)], computed
   assert not _per_layer(on_device, n), computed
+  # A policy that asks for the inputs on host still gets them there.
+  policy = st.CheckpointPolicy(save_carries="offload", save_inputs="offload")
+  on_host = [a for a in _computed(_residuals(policy, n)) if _on_host(a)]
+  assert [a.shape for a in on_host if a.shape == (n, RD, RD)] == [(n, RD, RD)]
 
 
 def test_nested_offload_keeps_outer_carries_on_host():
