@@ -91,7 +91,12 @@ def test_offloaded_bytes_counted_apart():
   traced = report_lib.trace(step, *args)
   (model,) = traced.models.values()
   cost = model.layers[0].cost(st.REMAT_ALIASES["offload"])
-  # Carry and the layer's weight slice go to host memory; nothing stays.
+  # The carry goes to host memory; the layer's weight slice is read from
+  # the loop's inputs, where it is; nothing stays.
+  assert (cost.kept, cost.host) == (0, CARRY)
+  # Asked to, the weight slice goes to host memory too.
+  cost = model.layers[0].cost(st.CheckpointPolicy(save_carries="offload",
+                                                  save_inputs="offload"))
   assert (cost.kept, cost.host) == (0, CARRY + D * D * 4)
 
 
