@@ -746,20 +746,22 @@ def train_part(part: dict[str, Any], size: dict[str, Any], args, options,
   peak = train_lib.peak_flops(jax.devices()[0].device_kind)
   part.update({"size": size, "peak_flops": peak, "runs": []})
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
+  # One set of parameters and optimizer state serves every run (none is
+  # donated here): the remat and the batch do not change their shapes.
+  params = GPTParams(size).get("scan")
+  opt_state = optimizer.init(params)
   for batch in size["batches"]:
+    tokens = gpt_tokens(size, batch)
     specs = []
     for label, remat in TRAIN_REMATS:
-      cfg = gpt_config({**size, "batch": batch}, "scan", remat, "bfloat16")
-      model = train_lib.transform(cfg)
-      tokens = gpt_tokens(size, batch)
-      params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
+      cfg = gpt_config(size, "scan", remat, "bfloat16")
       flops = train_lib.model_flops_per_token(
           cfg, sum(a.size for a in jax.tree.leaves(params)))
       record = {"label": label, "remat": remat_label(remat), "dtype": "bfloat16",
                 "batch": batch, "attention": "splash" if cfg.uses_splash(size["seq_len"])
                 else "xla", "flops_per_token": flops}
-      specs.append((record, train_lib.make_train_step(model, optimizer),
-                    (params, optimizer.init(params), tokens), None))
+      specs.append((record, train_lib.make_train_step(train_lib.transform(cfg), optimizer),
+                    (params, opt_state, tokens), None))
     harness.log(f"train, batch {batch}: compiling {len(specs)}")
     runs = compile_runs(specs, options, args.compile_threads)
     del specs

@@ -720,9 +720,8 @@ class Plans:
     """Times plans (compiling them for speed first), interleaved."""
     executables = [self.compile(i).executable for i in indices]
     start = time.perf_counter()
-    timed = (time_runs(executables, self.args, repeats, self.donate_argnums)
-             if self.donate_argnums else time_runs(executables, self.args, repeats))
-    for i, runs in zip(indices, timed):
+    for i, runs in zip(indices, time_runs(executables, self.args, repeats,
+                                          self.donate_argnums)):
       self.times[i] = self.times.get(i, []) + runs
     self.compile_seconds += time.perf_counter() - start
 

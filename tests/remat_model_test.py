@@ -186,8 +186,8 @@ def test_report_with_a_budget_shows_the_planners_choice(compiled_report):
 
 def _fixed_timings(monkeypatch, seconds):
   """Every timed run of plan ``label`` takes ``seconds[label]``."""
-  def time_runs(executables, args, repeats):
-    del args
+  def time_runs(executables, args, repeats, donate_argnums=()):
+    del args, donate_argnums
     return [[seconds[labels[id(e)]]] * repeats for e in executables]
 
   labels = {}
