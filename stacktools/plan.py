@@ -23,7 +23,10 @@ plan chosen by timing is always a plan that was timed. One-loop plans are
 preferred as the challenger because a per-depth mix compiles a loop per
 segment (twice the time). That makes at most ``MAX_COMPILES`` = 3 compiles:
 the reference, the challenger, and one check of a plan the model puts
-within ``MARGIN`` of the budget (the challenger itself, usually). Why not
+within ``MARGIN`` of the budget (the challenger itself, usually). When that
+check is refused (the plan does not fit), the third compile goes to the
+plan with the fewest FLOPs that the model puts surely within the budget: a
+plan at the edge is never checked at the cost of one that fits. Why not
 fewer: the reference is the one compile that tells what the step holds
 besides its stacks, and the two sides of the trade need a timing each. Why
 not more: on the benchmarks the model's error on temp bytes is within the
@@ -42,6 +45,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
+
+import jax
 
 from stacktools import _checks
 from stacktools import _model
@@ -195,6 +200,31 @@ def _no_fit(rows: Sequence[report_lib.ReportRow], budget: Any, budget_bytes: int
       "width).")
 
 
+def device_bytes() -> Optional[int]:
+  """The memory of the first local device, where it tells (not a CPU's)."""
+  stats = jax.local_devices()[0].memory_stats()
+  return stats.get("bytes_limit") if stats else None
+
+
+def _check_room(budget: Any, budget_bytes: int, args: Sequence[Any]) -> None:
+  """Refuses a budget that cannot fit beside the step's own arguments."""
+  limit = device_bytes()
+  if limit is None:
+    return
+  device = jax.local_devices()[0]
+  held = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(args)
+             if isinstance(leaf, jax.Array)
+             for shard in leaf.addressable_shards if shard.device == device)
+  if budget_bytes + held > limit:
+    raise ValueError(
+        f"budget={budget!r} ({report_lib.format_bytes(budget_bytes)}) of temp memory "
+        f"does not fit beside the step's arguments: they hold "
+        f"{report_lib.format_bytes(held)} of the device's "
+        f"{report_lib.format_bytes(limit)}, which leaves "
+        f"{report_lib.format_bytes(limit - held)} for the step. Pass a budget of at "
+        "most that, or make the step smaller (batch, width).")
+
+
 def _fastest(reference: Sequence[float],
              challenger: Sequence[float]) -> tuple[float, float, float]:
   """The fastest run of each, and the timing noise: the spread of each
@@ -215,6 +245,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   """
   start = time.perf_counter()
   budget_bytes = report_lib.parse_bytes(budget)
+  _check_room(budget, budget_bytes, args)
   if measure:
     report_lib._check_measurable(args)  # pylint: disable=protected-access
   plans = report_lib.Plans(step_fn, args, traced or report_lib.trace(step_fn, *args),
@@ -224,6 +255,8 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   reference = plans.reference()
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
 
+  edge_checks = []   # the plans compiled to settle the budget's edge
+
   def fits(i: int, timed: bool = False) -> bool:
     """Whether plan ``i`` fits; ``timed``: and it compiles to be timed (a
     program the device cannot hold is refused there, and does not fit)."""
@@ -232,10 +265,17 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       estimate = plans.temp(i)
       if estimate > budget_bytes * (1 + MARGIN):
         return False
-      if estimate <= budget_bytes * (1 - MARGIN) and not timed:
+      sure = estimate <= budget_bytes * (1 - MARGIN)
+      if sure and not timed:
         return True
       if len(plans.compiled) >= MAX_COMPILES:
         return False
+      if not sure:
+        # One check of the edge, and only while a compile is left for a plan
+        # that surely fits: a refused check must not cost the challenger.
+        if edge_checks or len(plans.compiled) >= MAX_COMPILES - 1:
+          return False
+        edge_checks.append(i)
     elif plans.temp(i) > budget_bytes:
       return False
     if known is None or (timed and known.executable is None):
@@ -263,6 +303,8 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     else:
       pair = [reference, challenger]
       plans.time(pair, 1)
+      if plans.unrunnable & set(pair):
+        return _untimed(plans, budget_bytes, start, reference, challenger)
       per_round = plans.times[reference][0] + plans.times[challenger][0]
       rounds = max(2, min(2 * repeats, int(
           TIMING_SHARE * plans.compile_times[reference] / per_round)))
@@ -286,6 +328,25 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   if pick is None:
     _no_fit(report.rows, budget, budget_bytes)
   return report
+
+
+def _untimed(plans: report_lib.Plans, budget_bytes: int, start: float,
+             reference: int, challenger: int) -> report_lib.RematReport:
+  """The challenger, by its fewer FLOPs, when either plan could not be timed.
+
+  Timing a step that donates arguments runs it on copies of them, beside
+  the caller's own: the device may not hold a program that fits the budget
+  beside both, although the step that runs (donating, with no copies) fits.
+  Both plans fit the budget, so the choice falls back on the FLOPs, as with
+  ``measure=False``.
+  """
+  names = [plans.row(i).plan_text() for i in (reference, challenger)]
+  failed = " and ".join(n for i, n in zip((reference, challenger), names)
+                        if i in plans.unrunnable)
+  decision = (f"not timed: the device could not run {failed} beside copies of the "
+              f"donated arguments; {names[1]} has the fewer FLOPs")
+  return plans.report(budget=budget_bytes, chosen=challenger, decision=decision,
+                      seconds=time.perf_counter() - start)
 
 
 def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],

@@ -548,17 +548,29 @@ def time_runs(executables: Sequence[Any], args: Sequence[Any], repeats: int,
   Each round runs every executable once, the order reversed every other
   round, so that a drift in the machine's load falls on all of them. An
   executable that donates arguments consumes them: each run gets its own
-  copies of those, made before its clock starts.
+  copies of those, made before its clock starts. One that the device cannot
+  load beside them (``RESOURCE_EXHAUSTED``) gets no runs.
   """
   runs: list[list[float]] = [[] for _ in executables]
   order = list(range(len(executables)))
+  refused = set()
   for r in range(repeats):
     for i in (order if r % 2 == 0 else order[::-1]):
+      if i in refused:
+        continue
       call_args = [jax.tree_util.tree_map(jnp.copy, a) if n in donate_argnums else a
                    for n, a in enumerate(args)]
       jax.block_until_ready(call_args)
       start = time.perf_counter()
-      jax.block_until_ready(executables[i](*call_args))
+      try:
+        jax.block_until_ready(executables[i](*call_args))
+      except Exception as e:  # pylint: disable=broad-except
+        # The device could not hold the program beside the arguments and
+        # the copies of the donated ones: it is not timed (no runs).
+        if not exhausted(e):
+          raise
+        refused.add(i)
+        continue
       runs[i].append(time.perf_counter() - start)
   return runs
 
@@ -658,6 +670,9 @@ class Plans:
     self.compiled: dict[int, Compiled] = {}
     self.compile_times: dict[int, float] = {}
     self.times: dict[int, list[float]] = {}
+    # Plans that compiled within the budget but that the device could not
+    # run beside the step's arguments and the copies timing makes of them.
+    self.unrunnable: set[int] = set()
     self.rest = 0
     self.compile_seconds = 0.0
     host_is_device = jax.default_backend() == "cpu"
@@ -722,7 +737,10 @@ class Plans:
     start = time.perf_counter()
     for i, runs in zip(indices, time_runs(executables, self.args, repeats,
                                           self.donate_argnums)):
-      self.times[i] = self.times.get(i, []) + runs
+      if runs:
+        self.times[i] = self.times.get(i, []) + runs
+      else:
+        self.unrunnable.add(i)
     self.compile_seconds += time.perf_counter() - start
 
   def row(self, i: int) -> ReportRow:

@@ -26,6 +26,7 @@ import pytest
 
 import stacktools as st
 from stacktools import _costs
+from stacktools import _model
 from stacktools import plan as plan_lib
 from stacktools import report as report_lib
 
@@ -217,6 +218,97 @@ def test_timed_choice_follows_its_rule(monkeypatch, challenger_seconds, chosen):
   assert plan.labels == {"loop_0": chosen}
   timed = {r.plan["loop_0"] for r in plan.report.rows if r.step_time_s is not None}
   assert timed == {"full", "none"}   # the reference and the fewest FLOPs
+
+
+def _label_of(remat):
+  return next(label for label, r in report_lib.candidates(
+      report_lib.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
+
+
+def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch):
+  # GPT-2-medium at batch 16 on a TPU v5e: the two plans with the fewest FLOPs
+  # were predicted at the budget's edge and both refused by XLA; with its
+  # compiles spent, the planner fell back to "full" although a plan with
+  # fewer FLOPs was predicted well within the budget. Here "none" and
+  # "save_all" are put at the edge and refused, "none:4,full:4" fits.
+  step, args = make_step()
+  predict = _model.predict
+
+  def save_all_like_none(models, choice, **kw):
+    if _label_of(choice["loop_0"]) == "save_all":
+      return predict(models, {"loop_0": "none"}, **kw)
+    return predict(models, choice, **kw)
+
+  monkeypatch.setattr(_model, "predict", save_all_like_none)
+  _fixed_timings(monkeypatch, {"full": 1.0, "none:4,full:4": 0.9})
+  remembering = report_lib.compile_plan
+
+  def refusing(step_fn, args, choice, **kw):
+    if _label_of(choice["loop_0"]) in ("none", "save_all"):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
+    return remembering(step_fn, args, choice, **kw)
+
+  monkeypatch.setattr(report_lib, "compile_plan", refusing)
+  full = st.remat_report(step, *args, only=("full", "none")).rows
+  budget = next(r.predicted_temp_bytes for r in full if r.plan["loop_0"] == "none")
+  plan = st.plan_remat(step, *args, budget=budget, only=SOME)
+  by = {r.plan["loop_0"]: r for r in plan.report.rows}
+  assert by["none"].out_of_memory          # the one check of the edge
+  assert by["save_all"].temp_bytes is None and not by["save_all"].out_of_memory
+  assert plan.labels == {"loop_0": "none:4,full:4"}, plan.report.decision
+  assert plan.report.compiles == plan_lib.MAX_COMPILES
+
+
+def test_time_runs_passes_over_a_program_the_device_cannot_load():
+  calls = []
+
+  def ok(x):
+    calls.append("ok")
+    return x
+
+  def refused(x):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Error loading program 'jit_train_step': "
+                       "Attempting to reserve 10.65G at the bottom of memory.")
+
+  x = jnp.ones(3)
+  runs = report_lib.time_runs([ok, refused, ok], [x], 3, donate_argnums=(0,))
+  assert [len(r) for r in runs] == [3, 0, 3] and calls == ["ok"] * 6
+  with pytest.raises(RuntimeError, match="INTERNAL"):
+    report_lib.time_runs([lambda x: (_ for _ in ()).throw(RuntimeError("INTERNAL"))],
+                         [x], 1)
+
+
+def test_a_challenger_that_cannot_be_timed_is_chosen_by_its_flops(monkeypatch):
+  # Timing a donating step runs it on copies of the donated arguments: on a
+  # full chip a plan within the budget may not load beside them.
+  step, args = make_step()
+  _fixed_timings(monkeypatch, {"full": 1.0, "none": 2.0})
+  fixed = report_lib.time_runs
+
+  def none_refused(executables, args, repeats, donate_argnums=()):
+    runs = fixed(executables, args, repeats, donate_argnums)
+    return [[] if r == [2.0] * repeats else r for r in runs]
+
+  monkeypatch.setattr(report_lib, "time_runs", none_refused)
+  plan = st.plan_remat(step, *args, budget="64MiB", only=("full", "none"))
+  assert plan.labels == {"loop_0": "none"}
+  assert plan.report.decision == ("not timed: the device could not run none beside "
+                                  "copies of the donated arguments; none has the "
+                                  "fewer FLOPs")
+  assert plan.report.chosen.step_time_s is None
+
+
+def test_a_budget_that_leaves_no_room_for_the_arguments_is_refused(monkeypatch):
+  step, args = make_step()
+  held = sum(a.nbytes for a in args)
+  monkeypatch.setattr(plan_lib, "device_bytes", lambda: held + 2**20 - 1)
+  with pytest.raises(ValueError, match=(
+      r"budget='1MiB' \(1.00 MiB\) of temp memory does not fit beside the step's "
+      rf"arguments: they hold .* of the device's .*, which leaves .* for the step\. "
+      r"Pass a budget of at most that")):
+    st.plan_remat(step, *args, budget="1MiB", measure=False)
+  monkeypatch.setattr(plan_lib, "device_bytes", lambda: held + 2**20)
+  assert st.plan_remat(step, *args, budget="1MiB", measure=False).labels
 
 
 def test_ties_go_to_fewer_flops_then_less_memory():
