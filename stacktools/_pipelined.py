@@ -72,7 +72,7 @@ def run_stack(steps: Mapping[str, loops.Step], x: PyTree,
     arguments: the call's arguments (an in-place one cannot be pipelined).
     unroll: the stack's unroll, for each stage's scan over its layers.
     ends: for a schedule that computes the loss inside its loop, the parts
-      around the stack (:func:`stacktools._pipelined_loss.prepare_ends`).
+      around the stack (:func:`prepare_ends`).
 
   Returns:
     ``(x, ys)``: the carry after the last layer and the stacked ``ys``
@@ -90,7 +90,7 @@ def run_stack(steps: Mapping[str, loops.Step], x: PyTree,
         f"checkpoint policy, but remat gives {len(plan.segments)} per-depth "
         "segments. Pass one policy (e.g. remat='full' or 'nested'), or run "
         "without a pipeline.")
-  (kind,) = steps
+  (kind,) = steps   # one kind: Stacked refuses pattern= with a pipeline
   if ends is not None:
     loss, ys, new_state = _pipelined_loss.run_with_loss(
         steps[kind], layers[kind], ends, pipeline=pipeline, stages=stages,

@@ -15,6 +15,7 @@ or ``_schedules.zero_bubble``)::
 
   F:  (x, loss), (ys, state) = forward(params, inputs[slot], m, r)
   B:  grads += vjp(forward at slot)(cotangents[slot], 1/M on the last stage)
+      (under zb: B pulls back to the input only, W later to the parameters)
   send x forward, the input's cotangent back; put what arrives in its slot
 """
 
@@ -154,7 +155,7 @@ def run_with_loss(step: loops.Step, layers: _layers.LayerSlice, ends: Ends, *,
                pipeline, stages, table.weight is not None, table.slots, x_shape, loss_shape)
 
   spec, whole = PartitionSpec(axis), PartitionSpec()
-  # check_vma=False: as in run(), the buffers start equal on every stage
+  # check_vma=False: as in _pipelined.run, the buffers start equal on every stage
   # and vary by stage once a ppermute has filled them.
   mapped = jax.shard_map(
       functools.partial(_per_device, loop), mesh=pipeline.mesh,
