@@ -33,6 +33,7 @@ from stacktools import _checks
 from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import _layers
+from stacktools import _pipelined
 from stacktools import loops
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
@@ -76,26 +77,16 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   """
   n = pattern.num_layers
   stages = pipeline.stages() if pipeline is not None else 1
-  in_loop = (stages > 1 and pipeline.computes_loss and not hk.running_init())
-  if in_loop and ends is None:
-    raise ValueError(
-        f"{_checks.where()}schedule={pipeline.schedule!r} computes the loss inside the "
-        "pipeline, so "
-        "the stack must be called with the parts around it: "
-        "blocks.loss(embed, head, inputs, targets) (or scan_loss), not fold or "
-        "scan; or use schedule='gpipe'.")
-  if ends is not None:
-    embed, head, inputs, targets = ends
-    if in_loop:   # the carry is only a shape here; the pipeline embeds
-      micro = pipeline.microbatches
-      first = lambda t: jax.tree_util.tree_map(lambda a: a[::micro], t)  # noqa: E731
-      embed, embed_params = _explicit_params(embed, "embed", first(inputs))
-      x_micro = jax.eval_shape(embed, embed_params, first(inputs))
-      head, head_params = _explicit_params(head, "head", x_micro, first(targets))
-      x = jax.tree_util.tree_map(
-          lambda s: jnp.zeros((s.shape[0] * micro,) + s.shape[1:], s.dtype), x_micro)
-    else:
-      x = embed(inputs)
+  pipelined = stages > 1 and not hk.running_init()   # init runs the plain stack
+  loop_ends = None
+  if pipelined and pipeline.computes_loss:
+    # The pipeline runs embed and head in its loop: the carry is only a shape
+    # here, and nothing is left to finish after it.
+    x, loop_ends = _pipelined.prepare_ends(pipeline, ends, arguments)
+    ends = None
+  elif ends is not None:
+    embed, _, inputs, _ = ends
+    x = embed(inputs)
   keys = _layers.draw_layer_keys(n)
   xs, updaters = {}, {}
   for kind in pattern.names:
@@ -132,33 +123,10 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   plan = loops.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
       tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
-  if stages > 1 and not hk.running_init():
-    pipeline.check(n, stages)
-    for arg in list(arguments.in_place.values())[:1]:
-      raise ValueError(
-          f"{arg.label} cannot be pipelined: each stage holds only its own "
-          "layers' rows. Pass it without in_place=True, or run without a pipeline.")
-    if len(plan.segments) > 1:
-      raise ValueError(
-          f"{_checks.where()}a pipelined stack runs every stage with one "
-          f"checkpoint policy, but remat gives {len(plan.segments)} per-depth "
-          "segments. Pass one policy (e.g. remat='full' or 'nested'), or run "
-          "without a pipeline.")
-    (kind,) = pattern.names
-    if in_loop:
-      loss, ys, new_state = pipeline_lib.run_with_loss(
-          steps[kind], pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
-          pipeline_lib.Ends(embed, head, embed_params, head_params, inputs, targets,
-                            arguments.broadcast, arguments.broadcast_as),
-          pipeline=pipeline, stages=stages, policy=plan.segments[0].policy,
-          unroll=unroll)
-      updaters[kind].update(new_state)
-      return loss, ys
-    x, ys, new_state = pipeline_lib.run(
-        steps[kind], x, pipeline_lib.StageLayers(*xs[kind]), _layers.LayerSlice,
-        pipeline=pipeline, stages=stages, policy=plan.segments[0].policy,
-        unroll=unroll)
-    updaters[kind].update(new_state)
+  if pipelined:
+    x, ys = _pipelined.run_stack(steps, x, xs, updaters, plan, pipeline=pipeline,
+                                 stages=stages, num_layers=n, arguments=arguments,
+                                 unroll=unroll, ends=loop_ends)
     return _finish(x, ys, ends)
   x, results = loops.run(steps, x, xs, pattern, plan, unroll=unroll)
   for kind in pattern.names:
@@ -180,50 +148,6 @@ def _finish(x: PyTree, ys: PyTree, ends: Optional[tuple[Any, ...]]) -> tuple[PyT
   _, head, _, targets = ends
   return head(x, targets), None if ys is None else jax.lax.stop_gradient(ys)
 
-
-def _explicit_params(fn: Callable[..., Any], role: str,
-                     *example: Any) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
-  """``fn`` (Haiku code) as ``fn(params, *args)``, and the params it reads.
-
-  The parameters are looked up by full name in the transform's own (a
-  ``hk.custom_getter`` records them, then substitutes the values given), so
-  ``fn``'s parameters keep their names: the same tree with or without a
-  pipeline.
-  """
-  def names():
-    seen = {}
-
-    def record(next_getter, value, context):
-      seen[context.full_name] = value
-      return next_getter(value)
-
-    with hk.custom_getter(record):
-      jax.eval_shape(lambda *a: fn(*a), *example)   # a fresh trace each time
-    return seen
-
-  params = names()
-  try:
-    again = names()
-  except ValueError:   # Haiku's: a module built anew has no parameters
-    again = None
-  if again is None or set(again) != set(params):
-    raise ValueError(
-        f"{_checks.where()}Stacked.loss: {role} creates new Haiku modules each time it "
-        f"is called (its parameters were {sorted(params)} the first time), but a "
-        "1f1b, interleaved or zb pipeline calls it once per microbatch. Construct "
-        "its modules "
-        "before blocks.loss and call them inside (e.g. proj = hk.Linear(n); "
-        "head = lambda x, t: loss(proj(x), t)).")
-
-  def explicit(values, *args):
-    def substitute(next_getter, value, context):
-      del value
-      return next_getter(values[context.full_name])
-
-    with hk.custom_getter(substitute):
-      return fn(*args)
-
-  return explicit, params
 
 # ---------------------------------------------------------------------------
 # Stacked.

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import stacktools as st
-from stacktools import pipeline as pipeline_lib
+from stacktools import _stages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,15 +226,15 @@ def test_schedule_bubble_and_every_microbatch_visits_every_chunk_once(stages, mi
 
 def test_stage_layout_round_trips_and_groups_chunks_per_stage():
   layers = jnp.arange(16)
-  staged = pipeline_lib.to_stages(layers, 4, 2)          # [P, R, K]
+  staged = _stages.to_stages(layers, 4, 2)          # [P, R, K]
   assert staged.shape == (4, 2, 2)
   # Stage 1 holds chunk 1 (layers 2, 3) and chunk 5 (layers 10, 11).
   np.testing.assert_array_equal(staged[1], [[2, 3], [10, 11]])
-  np.testing.assert_array_equal(pipeline_lib.from_stages(staged), layers)
+  np.testing.assert_array_equal(_stages.from_stages(staged), layers)
   batch = jnp.arange(12)
-  micro = pipeline_lib.split_microbatches(batch, 4)
+  micro = _stages.split_microbatches(batch, 4)
   np.testing.assert_array_equal(micro[1], [1, 5, 9])
-  np.testing.assert_array_equal(pipeline_lib.merge_microbatches(micro), batch)
+  np.testing.assert_array_equal(_stages.merge_microbatches(micro), batch)
 
 
 def _block(x):
