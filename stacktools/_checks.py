@@ -15,13 +15,13 @@ import difflib
 import math
 import numbers
 import operator
-import threading
-from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from stacktools import _context
 
 PyTree = Any
 
@@ -29,32 +29,21 @@ PyTree = Any
 # ---------------------------------------------------------------------------
 # Who is speaking: the public entry point that was called.
 
-_local = threading.local()
+_SUBJECTS = _context.ContextStack[str]()
 
 
-def _subjects() -> list[str]:
-  if not hasattr(_local, "subjects"):
-    _local.subjects = []
-  return _local.subjects
-
-
-@contextlib.contextmanager
-def subject(name: str) -> Iterator[None]:
+def subject(name: str) -> contextlib.AbstractContextManager[str]:
   """Makes ``name`` (``"Stacked"``, ``"layer_stack"``) the subject of errors.
 
   A public entry point sets it once; every check below reads it with
   :func:`where`, so no helper has to be told who called it.
   """
-  _subjects().append(name)
-  try:
-    yield
-  finally:
-    _subjects().pop()
+  return _SUBJECTS.push(name)
 
 
 def who() -> str:
   """The innermost public entry point being run (``""`` outside one)."""
-  return _subjects()[-1] if _subjects() else ""
+  return _SUBJECTS.innermost("")
 
 
 def where() -> str:
@@ -395,14 +384,10 @@ def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
 # Names a checkpoint policy refers to.
 
 
-def _traces_recorded() -> list[list[Any]]:
-  if not hasattr(_local, "traces"):
-    _local.traces = []
-  return _local.traces
+_RECORDINGS = _context.ContextStack[list[Any]]()
 
 
-@contextlib.contextmanager
-def recording_traces() -> Iterator[list[Any]]:
+def recording_traces() -> contextlib.AbstractContextManager[list[Any]]:
   """Collects ``(closed_jaxpr, args)`` of every :func:`names_tagged_in` trace.
 
   The remat planner reads a loop's step from the trace that finds its names
@@ -410,12 +395,7 @@ def recording_traces() -> Iterator[list[Any]]:
   innermost recording collects, so a stack inside a block is not mistaken
   for the outer stack's step.
   """
-  found: list[Any] = []
-  _traces_recorded().append(found)
-  try:
-    yield found
-  finally:
-    _traces_recorded().pop()
+  return _RECORDINGS.push([])
 
 
 def names_tagged_in(fn: Any, *args: Any) -> set[str]:
@@ -426,8 +406,8 @@ def names_tagged_in(fn: Any, *args: Any) -> set[str]:
   """
   names: set[str] = set()
   closed = jax.make_jaxpr(fn)(*args)
-  if _traces_recorded():
-    _traces_recorded()[-1].append((closed, args))
+  if _RECORDINGS:
+    _RECORDINGS.innermost().append((closed, args))
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:

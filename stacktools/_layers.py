@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -40,6 +39,7 @@ import jax
 import numpy as np
 
 from stacktools import _checks
+from stacktools import _context
 from stacktools import _in_place
 from stacktools import _kinds
 from stacktools import policy as policy_lib
@@ -111,24 +111,13 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
   return PerLayer(tree, in_place)
 
 
-_local = threading.local()
+#: The index of the layer being applied, per stack being run (innermost last).
+LAYER_INDICES = _context.ContextStack[jax.Array]()
 
 
-def _index_stack() -> list[jax.Array]:
-  if not hasattr(_local, "indices"):
-    _local.indices = []
-  return _local.indices
-
-
-@contextlib.contextmanager
-def at_layer(index: jax.Array) -> Iterator[None]:
+def at_layer(index: jax.Array) -> contextlib.AbstractContextManager[jax.Array]:
   """Makes ``index`` what :func:`layer_index` returns inside the block."""
-  stack = _index_stack()
-  stack.append(index)
-  try:
-    yield
-  finally:
-    stack.pop()
+  return LAYER_INDICES.push(index)
 
 
 def layer_index() -> jax.Array:
@@ -153,12 +142,11 @@ def layer_index() -> jax.Array:
   Raises:
     RuntimeError: when called outside a stacked block.
   """
-  stack = _index_stack()
-  if not stack:
+  if not LAYER_INDICES:
     raise RuntimeError(
         "st.layer_index() was called outside a stacked block. Call it inside "
         "the block function of st.Stacked, st.BlockSeq or st.layer_stack.")
-  return stack[-1]
+  return LAYER_INDICES.innermost()
 
 
 # ---------------------------------------------------------------------------

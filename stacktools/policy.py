@@ -20,9 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
 
 from stacktools import _checks
+from stacktools import _context
 
 T = TypeVar("T")
 
@@ -80,30 +80,14 @@ def checkpoint_name(tree: T, name: str) -> T:
       return _jax_checkpoint_name(leaf, name)
     return leaf
 
-  for names in _names_being_recorded():
+  for names in _RECORDERS.values():
     names.add(name)
   return jax.tree_util.tree_map(tag, tree)
 
 
-_local = threading.local()
-
-
-def _names_being_recorded() -> list[set[str]]:
-  """One set per checkpointed step being traced, innermost last."""
-  if not hasattr(_local, "recorders"):
-    _local.recorders = []
-  return _local.recorders
-
-
-@contextlib.contextmanager
-def _recording_names() -> Iterator[set[str]]:
-  """Collects the names given to checkpoint_name while a step is traced."""
-  names: set[str] = set()
-  _names_being_recorded().append(names)
-  try:
-    yield names
-  finally:
-    _names_being_recorded().pop()
+#: One set per checkpointed step being traced, innermost last: each collects
+#: the names given to checkpoint_name while its step is traced.
+_RECORDERS = _context.ContextStack[set[str]]()
 
 
 def _check_save_option(field: str, value: Any) -> None:
@@ -407,7 +391,7 @@ class CheckpointPolicy:
         x = checkpoint_name(x, INPUT_NAME)
       if tag_carry:
         carry = checkpoint_name(carry, CARRY_NAME)
-      with _recording_names() as tagged:
+      with _RECORDERS.push(set()) as tagged:
         out = step(carry, x)
       if not set(wanted) <= tagged:
         # Recorded names cover st.checkpoint_name only; a block may also tag

@@ -28,11 +28,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
 from stacktools import _checks
+from stacktools import _context
 from stacktools import policy as policy_lib
 
 #: The ``remat=`` value that asks the active plan for a policy.
@@ -225,28 +225,17 @@ class PlanContext(Protocol):
     """
 
 
-_local = threading.local()
-
-
-def _contexts() -> list[PlanContext]:
-  if not hasattr(_local, "contexts"):
-    _local.contexts = []
-  return _local.contexts
+_PLANS = _context.ContextStack[PlanContext]()
 
 
 def plan_active() -> bool:
   """Whether a plan (or the planner's discovery) answers ``"auto"`` now."""
-  return bool(_contexts())
+  return bool(_PLANS)
 
 
-@contextlib.contextmanager
-def plan_context(context: PlanContext) -> Iterator[PlanContext]:
+def plan_context(context: PlanContext) -> contextlib.AbstractContextManager[PlanContext]:
   """Makes ``context`` answer ``remat="auto"`` inside the ``with`` block."""
-  _contexts().append(context)
-  try:
-    yield context
-  finally:
-    _contexts().pop()
+  return _PLANS.push(context)
 
 
 #: ``sizes()`` for a nested split: the carry's bytes, the bytes of one
@@ -293,8 +282,8 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
   """
   remat = as_remat(remat)
   if isinstance(remat, AutoRemat):
-    if _contexts():
-      remat = as_remat(_contexts()[-1].remat_for(remat.key, num_layers, probe or set,
+    if _PLANS:
+      remat = as_remat(_PLANS.innermost().remat_for(remat.key, num_layers, probe or set,
                                                  period=period))
     elif init:
       remat = policy_lib.REMAT_ALIASES["none"]

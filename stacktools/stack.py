@@ -106,7 +106,7 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
           params, state, len(ids), stack=hk.experimental.current_name(),
           num_layers=n, kind=None if pattern.is_plain else kind,
           pattern=None if pattern.is_plain else pattern.kinds,
-          nested=bool(_layers._index_stack()))  # pylint: disable=protected-access
+          nested=bool(_layers.LAYER_INDICES))
     xs[kind] = _layers.LayerSlice(params=params, state=state, rng=apply_keys,
                                   sliced=sliced, index=indices)
 
