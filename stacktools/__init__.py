@@ -1,8 +1,8 @@
 """stacktools: stack a repeated block's parameters and apply it with one scan."""
 
-from stacktools._kinds import per_kind
-from stacktools._layers import layer_index
-from stacktools._layers import per_layer
+from stacktools._arguments import per_kind
+from stacktools._arguments import layer_index
+from stacktools._arguments import per_layer
 from stacktools.depth import take_layers
 from stacktools.loops import fold
 from stacktools.loops import map  # pylint: disable=redefined-builtin
@@ -23,8 +23,8 @@ from stacktools.stack import Stacked
 
 # The classes of values the public factories return, importable for
 # isinstance checks; they are not part of the surface a user writes.
-from stacktools._kinds import PerKind
-from stacktools._layers import PerLayer
+from stacktools._arguments import PerKind
+from stacktools._arguments import PerLayer
 from stacktools.optim import OverLayersState
 from stacktools.plan import RematPlan
 from stacktools.report import RematReport

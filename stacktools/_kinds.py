@@ -10,7 +10,7 @@ Vocabulary:
 * a *run* is a stretch of consecutive layers of one kind inside one period;
 * *kind order* lists one kind's layers in layer order, with a leading axis of
   that kind's count: its parameters (``h/<kind>/...``), its per-kind inputs
-  (:func:`per_kind`) and its per-kind outputs;
+  (``per_kind``) and its per-kind outputs;
 * *layer order* has a leading axis of ``num_layers`` (:func:`per_layer`).
 
 For ``num_layers=8`` and ``pattern=("L", "L", "G")``::
@@ -21,7 +21,8 @@ For ``num_layers=8`` and ``pattern=("L", "L", "G")``::
   a period's runs: (L, 2 layers), (G, 1 layer); the partial period: (L, 2)
 
 This module is the layout and its checks (no Haiku, no loops); ``loops.py``
-runs the layers, ``_layers.py`` builds one :class:`Pattern` per stack.
+runs the layers, ``_stack_module.py`` builds one :class:`Pattern` per
+stack; the :func:`per_kind` marker is in ``_arguments.py``.
 """
 
 from __future__ import annotations
@@ -40,55 +41,6 @@ from stacktools import _checks
 
 PyTree = Any
 EXAMPLE = "e.g. pattern=('local',) * 5 + ('global',)"
-
-
-@dataclasses.dataclass(frozen=True)
-class PerKind:
-  """Arguments given per kind; see :func:`per_kind`."""
-
-  value: Mapping[str, PyTree]
-  in_place: bool = False
-
-
-def per_kind(trees: Mapping[str, PyTree], *, in_place: bool = False) -> PerKind:
-  """Marks an argument of a mixed-layer stack's ``fold``/``scan`` as per kind.
-
-  ``trees[kind]`` has a leading axis of that kind's layer count, in layer
-  order; each layer of the kind receives its own slice. Use it for inputs
-  whose shapes differ by kind (a local layer's KV cache is its window long, a
-  global layer's the whole sequence); inputs that every kind takes with the
-  same shapes can go in :func:`per_layer` (leading axis ``num_layers``).
-
-  Example::
-
-    class Block(hk.Module):
-      def __call__(self, x, cache):      # cache: [B, S, D], S by kind
-        return x + hk.Linear(x.shape[-1])(cache.mean(axis=1)), cache
-
-    blocks = st.Stacked({"local": Block, "global": Block}, num_layers=26,
-                        pattern=("local",) * 5 + ("global",), name="h")
-    caches = {"local": jnp.ones((22, 2, 4, 8)),    # leading axis 22 (local layers)
-              "global": jnp.ones((4, 2, 16, 8))}   # leading axis 4
-    x, new_caches = blocks.scan(jnp.ones((2, 8)), st.per_kind(caches))
-
-  ``in_place=True`` gives each layer a view of its row to read and write, as
-  :func:`per_layer` does; a block that returns the view gets its kind's
-  whole tree back, updated in place (with ``ys_by_kind=True``,
-  ``{kind: tree}`` as it was given)::
-
-    x, caches = blocks.scan(x, st.per_kind(caches, in_place=True), pos)
-
-  Args:
-    trees: a mapping from each kind to a pytree of arrays.
-    in_place: give each layer a view of its row (see :func:`per_layer`).
-
-  Returns:
-    A marker that the stack unwraps.
-  """
-  _checks.check_in_place(in_place, "st.per_kind")
-  if isinstance(trees, PerKind):
-    return trees if not in_place else PerKind(trees.value, True)
-  return PerKind(trees, in_place)
 
 
 class Run(NamedTuple):

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from stacktools import _arguments
 from stacktools import _checks
-from stacktools import _layers
+from stacktools import _layer_step
 from stacktools import _pipelined_loss
 from stacktools import _schedules
 from stacktools import _stages
@@ -47,9 +48,9 @@ PyTree = Any
 
 
 def run_stack(steps: Mapping[str, loops.Step], x: PyTree,
-              layers: Mapping[str, _layers.LayerSlice], updaters: Mapping[str, Any],
+              layers: Mapping[str, _layer_step.LayerSlice], updaters: Mapping[str, Any],
               plan: segments_lib.LoopPlan, *, pipeline: pipeline_lib.Pipeline,
-              stages: int, num_layers: int, arguments: _layers.BlockArguments,
+              stages: int, num_layers: int, arguments: _arguments.BlockArguments,
               unroll: Any, ends: Optional[_pipelined_loss.Ends] = None
               ) -> tuple[PyTree, PyTree]:
   """Runs a stack's layers as ``pipeline`` over ``stages`` stages (at apply).
@@ -108,7 +109,7 @@ def run_stack(steps: Mapping[str, loops.Step], x: PyTree,
 
 
 def prepare_ends(pipeline: pipeline_lib.Pipeline, ends: Optional[tuple[Any, ...]],
-                 arguments: _layers.BlockArguments
+                 arguments: _arguments.BlockArguments
                  ) -> tuple[PyTree, _pipelined_loss.Ends]:
   """The carry's shape, and ``Stacked.loss``'s parts as a loss pipeline runs them.
 
@@ -196,7 +197,7 @@ def _explicit_params(fn: Callable[..., Any], role: str,
 # GPipe and circular: forwards only, one table.
 
 
-def run(step: loops.Step, x: PyTree, layers: _layers.LayerSlice, *,
+def run(step: loops.Step, x: PyTree, layers: _layer_step.LayerSlice, *,
         pipeline: pipeline_lib.Pipeline, stages: int, policy: policy_lib.CheckpointPolicy,
         unroll: Any) -> tuple[PyTree, PyTree, PyTree]:
   """Runs ``step`` over every layer as a pipeline; returns ``(x, ys, state)``.
@@ -246,7 +247,7 @@ def run(step: loops.Step, x: PyTree, layers: _layers.LayerSlice, *,
 
 
 def _checked_ys_shape(chunk: Callable[..., Any], xs: PyTree,
-                      staged: _layers.LayerSlice) -> PyTree:
+                      staged: _layer_step.LayerSlice) -> PyTree:
   """The shapes of one chunk's ``ys`` on one microbatch (``[K, mb, ...]``).
 
   Raises:
@@ -275,7 +276,7 @@ class _Device(NamedTuple):
   """What one device's tick loop reads besides its carry."""
 
   stage: jax.Array                 # this device's index on the pipe axis
-  layers: _layers.LayerSlice       # its stage's layers, [R, K, ...]
+  layers: _layer_step.LayerSlice       # its stage's layers, [R, K, ...]
   chunk: Callable[..., Any]        # _stages.stage_chunk with the stack's step
   table: tuple[jax.Array, ...]     # microbatch, repeat, busy: [ticks, P]
   axis: str
@@ -284,7 +285,7 @@ class _Device(NamedTuple):
 
 def _per_device(chunk: Callable[..., Any], ys_shape: PyTree,
                 pipeline: pipeline_lib.Pipeline, stages: int, xs: PyTree,
-                staged: _layers.LayerSlice, micro_idx: jax.Array, repeat_idx: jax.Array,
+                staged: _layer_step.LayerSlice, micro_idx: jax.Array, repeat_idx: jax.Array,
                 busy: jax.Array) -> tuple[PyTree, PyTree, PyTree]:
   """One device's share of the ``shard_map``: its stage's tick loop.
 

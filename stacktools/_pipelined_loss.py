@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from stacktools import _checks
-from stacktools import _layers
+from stacktools import _layer_step
 from stacktools import _schedules
 from stacktools import _stages
 from stacktools import loops
@@ -104,7 +104,7 @@ def with_gradients(value: jax.Array, pairs: list[tuple[PyTree, PyTree]]) -> jax.
 # The loop: forward and backward of every microbatch, the loss inside.
 
 
-def run_with_loss(step: loops.Step, layers: _layers.LayerSlice, ends: Ends, *,
+def run_with_loss(step: loops.Step, layers: _layer_step.LayerSlice, ends: Ends, *,
                   pipeline: pipeline_lib.Pipeline, stages: int,
                   policy: policy_lib.CheckpointPolicy, unroll: Any
                   ) -> tuple[jax.Array, PyTree, PyTree]:
@@ -235,7 +235,7 @@ class _Device(NamedTuple):
 
   loop: _Loop
   stage: jax.Array            # this device's index on the pipe axis
-  local: _layers.LayerSlice   # its stage's layers, [R, K, ...]
+  local: _layer_step.LayerSlice   # its stage's layers, [R, K, ...]
   diff: list[Any]             # the float leaves of what has a gradient
   rebuild: Callable[[list[Any]], PyTree]   # diff -> (params, sliced, embed's, head's, broadcast)
   inputs: PyTree              # [M, mb, ...]
@@ -243,7 +243,7 @@ class _Device(NamedTuple):
   table: tuple[jax.Array, ...]   # op, microbatch, repeat, slot, receive_input, receive_cotangent
 
 
-def _per_device(loop: _Loop, inputs: PyTree, targets: PyTree, staged: _layers.LayerSlice,
+def _per_device(loop: _Loop, inputs: PyTree, targets: PyTree, staged: _layer_step.LayerSlice,
                 embed_params: PyTree, head_params: PyTree, broadcast: PyTree,
                 table: tuple[jax.Array, ...]) -> tuple[Any, ...]:
   """One device's share of the ``shard_map``: its stage's tick loop.

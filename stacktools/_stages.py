@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from stacktools import _checks
-from stacktools import _layers
+from stacktools import _layer_step
 from stacktools import loops
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
@@ -95,7 +95,7 @@ def on_pipe(tree: PyTree, pipeline: pipeline_lib.Pipeline) -> PyTree:
 
 
 def stage_chunk(step: loops.Step, policy: policy_lib.CheckpointPolicy, unroll: Any,
-                x_in: PyTree, local: _layers.LayerSlice, state: PyTree,
+                x_in: PyTree, local: _layer_step.LayerSlice, state: PyTree,
                 repeat: Union[int, jax.Array], microbatch: Union[int, jax.Array]
                 ) -> tuple[PyTree, Any]:
   """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
@@ -126,7 +126,7 @@ def stage_chunk(step: loops.Step, policy: policy_lib.CheckpointPolicy, unroll: A
     rng = None
     if local.rng is not None:   # a fresh key per microbatch, the same on every stage
       rng = jax.random.fold_in(pick(local.rng), microbatch)
-    layer = _layers.LayerSlice(
+    layer = _layer_step.LayerSlice(
         jax.tree_util.tree_map(pick, local.params), layer_state, rng,
         jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
     return step(carry, layer)

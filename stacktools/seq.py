@@ -21,10 +21,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from stacktools import _checks
-from stacktools import _in_place
+from stacktools import _arguments
 from stacktools import _kinds
-from stacktools import _layers
+from stacktools import _layer_step
+from stacktools import _stack_module
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -36,29 +36,17 @@ class _Layer(hk.Module):
 
   def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy,
                rates, arguments):
-    def init(key, x, sliced):
-      with _layers.at_layer(index):
-        return inner.init(key, x, sliced)
-
-    params_and_state, updater = hk.transparent_lift_with_state(
-        init, allow_reuse=True)
-    params, state = params_and_state(init_key, x, sliced)
-
-    def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inner, carry, layer, mode=mode,
-                                              arguments=arguments)
-      _checks.check_carry(carry, new_carry)
-      return new_carry, result
-
-    layer = _layers.LayerSlice(params=params, state=state, rng=rng,
-                               sliced=sliced, index=index)
-    x, result = policy.checkpoint_step(_layers.droppable(step, rates),
+    params, state, updater = _layer_step.lift_layer(inner, init_key, x, sliced, index)
+    layer = _layer_step.LayerSlice(params=params, state=state, rng=rng,
+                                   sliced=sliced, index=index)
+    step = _layer_step.checked_step(inner, mode, arguments)
+    x, result = policy.checkpoint_step(_layer_step.droppable(step, rates),
                                        looped=False)(x, layer)
     updater.update(result.state)
     return x, result.y, result.writes
 
 
-class BlockSeq(_layers.StackModule):
+class BlockSeq(_stack_module.StackModule):
   """A block repeated ``num_layers`` times in a Python loop.
 
   The interface of :class:`Stacked`; parameters live under
@@ -108,20 +96,20 @@ class BlockSeq(_layers.StackModule):
                      pattern=pattern, ys_by_kind=ys_by_kind,
                      layer_drop=layer_drop, name=name)
 
-  @_layers.StackModule.layer_scope
+  @_stack_module.StackModule.layer_scope
   def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
-                 arguments: _layers.BlockArguments, pattern: _kinds.Pattern,
+                 arguments: _arguments.BlockArguments, pattern: _kinds.Pattern,
                  mode: str) -> tuple[PyTree, PyTree]:
     n = self.num_layers
     # The same draws, in the same order, as Stacked.
-    keys = _layers.draw_layer_keys(n)
-    rates = _layers.drop_rates(self.layer_drop, keys)
+    keys = _layer_step.draw_layer_keys(n)
+    rates = _layer_step.drop_rates(self.layer_drop, keys)
     # The loop plan Stacked would run, walked one layer at a time (a plan's
     # choice for remat="auto" comes with no tagged names discovered).
     plan = segments_lib.plan_loop(
         self.remat, n, kinds=pattern.names, period=pattern.period,
         reverse=self.reverse, init=hk.running_init(),
-        tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
+        tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))
     ys, writes = [None] * n, [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
@@ -142,8 +130,8 @@ class BlockSeq(_layers.StackModule):
       # after the last layer, as in Stacked. (Written after each layer, into
       # the array the next layer reads, XLA copied the whole array per layer:
       # a layer's new keys need not wait for its read of the old ones.)
-      ys = _in_place.fill(ys, arguments.written(
-          {kind: jax.tree_util.tree_map(lambda *w: jnp.stack(w),
-                                        *[writes[i] for i in pattern.layer_ids(kind)])
-           for kind in pattern.names}, pattern))
+      ys = arguments.with_writes(ys, {
+          kind: jax.tree_util.tree_map(lambda *w: jnp.stack(w),
+                                       *[writes[i] for i in pattern.layer_ids(kind)])
+          for kind in pattern.names}, pattern)
     return x, ys

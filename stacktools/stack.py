@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stacktools import _arguments
 from stacktools import _checks
-from stacktools import _in_place
 from stacktools import _kinds
-from stacktools import _layers
+from stacktools import _layer_step
 from stacktools import _pipelined
+from stacktools import _stack_module
 from stacktools import loops
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
@@ -46,11 +47,11 @@ class _KindParams(hk.Module):
   """The scope of one kind's parameters and state: ``<stack>/<kind>/...``."""
 
   def __call__(self, inner, init_keys, x, sliced, indices):
-    return _layers.lift_layers(inner, init_keys, x, sliced, indices)
+    return _layer_step.lift_layers(inner, init_keys, x, sliced, indices)
 
 
 def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
-                arguments: _layers.BlockArguments, *, pattern: _kinds.Pattern,
+                arguments: _arguments.BlockArguments, *, pattern: _kinds.Pattern,
                 mode: str, remat: Any, unroll: Union[int, bool], reverse: bool,
                 pipeline: Optional[pipeline_lib.Pipeline] = None,
                 layer_drop: Optional[np.ndarray] = None,
@@ -64,7 +65,7 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   ``BlockSeq``.
 
   With ``layer_drop`` (per-layer rates), each step skips its layer at random
-  (see :func:`stacktools._layers.droppable`), at apply only.
+  (see :func:`stacktools._layer_step.droppable`), at apply only.
 
   With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
   the layers as that pipeline; init (never differentiated, never split) runs
@@ -87,42 +88,16 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   elif ends is not None:
     embed, _, inputs, _ = ends
     x = embed(inputs)
-  keys = _layers.draw_layer_keys(n)
-  xs, updaters = {}, {}
-  for kind in pattern.names:
-    ids = pattern.layer_ids(kind)
-    if len(ids) == n:   # every layer, in order
-      init_keys, apply_keys = keys.init, keys.apply
-      indices = jnp.arange(n, dtype=jnp.int32)
-    else:
-      init_keys = None if keys.init is None else keys.init[ids]
-      apply_keys = None if keys.apply is None else keys.apply[ids]
-      indices = jnp.asarray(ids, jnp.int32)
-    sliced = pattern.kind_inputs(arguments.sliced, arguments.by_kind, kind)
-    lift = _layers.lift_layers if pattern.is_plain else _KindParams(name=kind)
-    params, state, updaters[kind] = lift(inners[kind], init_keys, x, sliced, indices)
-    if not hk.running_init():   # init made them; apply was given them
-      _checks.check_layer_rows(
-          params, state, len(ids), stack=hk.experimental.current_name(),
-          num_layers=n, kind=None if pattern.is_plain else kind,
-          pattern=None if pattern.is_plain else pattern.kinds,
-          nested=bool(_layers.LAYER_INDICES))
-    xs[kind] = _layers.LayerSlice(params=params, state=state, rng=apply_keys,
-                                  sliced=sliced, index=indices)
-
-  def step_of(kind):
-    def step(carry, layer: _layers.LayerSlice):
-      new_carry, result = _layers.apply_layer(inners[kind], carry, layer, mode=mode,
-                                              arguments=arguments)
-      _checks.check_carry(carry, new_carry)
-      return new_carry, result
-    return step
-
-  rates = _layers.drop_rates(layer_drop, keys)
-  steps = {kind: _layers.droppable(step_of(kind), rates) for kind in pattern.names}
+  keys = _layer_step.draw_layer_keys(n)
+  xs, updaters = _layer_step.lift_kinds(
+      inners, x, arguments, pattern, keys,
+      lambda kind: _layer_step.lift_layers if pattern.is_plain else _KindParams(name=kind))
+  rates = _layer_step.drop_rates(layer_drop, keys)
+  steps = {kind: _layer_step.droppable(_layer_step.checked_step(inners[kind], mode, arguments),
+                                       rates) for kind in pattern.names}
   plan = loops.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
-      tags=lambda: _layers.kind_tags(pattern, inners, x, arguments))
+      tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))
   if pipelined:
     x, ys = _pipelined.run_stack(steps, x, xs, updaters, plan, pipeline=pipeline,
                                  stages=stages, num_layers=n, arguments=arguments,
@@ -133,10 +108,8 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
     updaters[kind].update(results[kind].state)
   if mode == "fold":
     return _finish(x, None, ends)
-  ys = pattern.outputs({k: r.y for k, r in results.items()})
-  if arguments.in_place:   # the layers' writes, in place after the loop
-    ys = _in_place.fill(ys, arguments.written(
-        {k: r.writes for k, r in results.items()}, pattern))
+  ys = arguments.with_writes(pattern.outputs({k: r.y for k, r in results.items()}),
+                             {k: r.writes for k, r in results.items()}, pattern)
   return _finish(x, ys, ends)
 
 
@@ -153,7 +126,7 @@ def _finish(x: PyTree, ys: PyTree, ends: Optional[tuple[Any, ...]]) -> tuple[PyT
 # Stacked.
 
 
-class Stacked(_layers.StackModule):
+class Stacked(_stack_module.StackModule):
   """A block repeated ``num_layers`` times: parameters stacked, one scan.
 
   Parameters and state of the block gain a leading ``num_layers`` axis and
@@ -313,9 +286,9 @@ class Stacked(_layers.StackModule):
     return self._apply(None, args, kwargs, mode="scan",
                        ends=(embed, head, inputs, targets))
 
-  @_layers.StackModule.layer_scope
+  @_stack_module.StackModule.layer_scope
   def run_layers(self, inners: Mapping[str, hk.TransformedWithState], x: PyTree,
-                 arguments: _layers.BlockArguments, pattern: _kinds.Pattern,
+                 arguments: _arguments.BlockArguments, pattern: _kinds.Pattern,
                  mode: str, ends: Optional[tuple[Any, ...]] = None
                  ) -> tuple[PyTree, PyTree]:
     return run_stacked(inners, x, arguments, pattern=pattern, mode=mode,
@@ -355,7 +328,7 @@ class _LayerStackScope(hk.Module):
       # A plan tells stacks apart by their unique module name.
       remat = segments_lib.AutoRemat(self.module_name)
     with _checks.subject("layer_stack"):
-      return run_stacked({_layers.BLOCK: _layers.make_inner(block_call, arguments)},
+      return run_stacked({_stack_module.BLOCK: _layer_step.make_inner(block_call, arguments)},
                          x, arguments, remat=remat, **config)
 
 
@@ -419,7 +392,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
   if not name:
     name = ("__layer_stack_with_per_layer" if with_per_layer_inputs
             else "__layer_stack_no_per_layer")
-  config = dict(pattern=_kinds.Pattern.uniform(num_layers, _layers.BLOCK),
+  config = dict(pattern=_kinds.Pattern.uniform(num_layers, _stack_module.BLOCK),
                 remat=remat, unroll=unroll)
 
   def iterate(f):
@@ -428,8 +401,8 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
       def wrapped(x, *ys, reverse: bool = False):
         kw = {"reverse": reverse} if pass_reverse_to_layer_fn else {}
         with _checks.subject("layer_stack"):
-          arguments = _layers.BlockArguments(
-              [_layers.PerLayer(y) for y in ys], {}, num_layers)
+          arguments = _arguments.BlockArguments(
+              [_arguments.PerLayer(y) for y in ys], {}, num_layers)
 
         def block_call(x, *layer_ys):
           return f(x, *layer_ys, **kw)
@@ -450,7 +423,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
         return (out,) if len(carry) == 1 else out
 
       carry, _ = _LayerStackScope(name=name)(
-          block_call, tuple(args), _layers.BlockArguments((), {}, num_layers),
+          block_call, tuple(args), _arguments.BlockArguments((), {}, num_layers),
           mode="fold", reverse=reverse, **config)
       return carry[0] if len(args) == 1 else carry
 

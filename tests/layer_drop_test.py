@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _layers
+from stacktools import _layer_step
 
 from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 
@@ -68,7 +68,7 @@ def _dropped(rates):
     hk.maybe_next_rng_key()           # the init key
     return jax.random.split(hk.next_rng_key(), L)
   layer_keys = hk.transform(keys).apply({}, KEY, X)
-  return [bool(jax.random.bernoulli(jax.random.fold_in(layer_keys[i], _layers.DROP_SALT),
+  return [bool(jax.random.bernoulli(jax.random.fold_in(layer_keys[i], _layer_step.DROP_SALT),
                                     rates[i])) for i in range(L)]
 
 
