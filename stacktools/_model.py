@@ -42,6 +42,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from stacktools import _costs
+from stacktools import _nested_split
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -213,7 +214,7 @@ class StackModel:
           # Chunks under jax.checkpoint (loops._Runner._nested), split as
           # segments.plan_loop splits them: each chunk copies its slice of
           # the inputs and their gradient; a remainder pads a leaf's gradient.
-          outer, inner, rem = policy_lib.split_nested(
+          outer, inner, rem = _nested_split.split_nested(
               count, policy.nested, carry_bytes=self.carry_bytes or 1,
               layer_bytes=self.input_bytes, largest_leaf_bytes=self.largest_input_leaf)
           flops += count * (layer.flops + layer.forward_flops)
@@ -227,7 +228,7 @@ class StackModel:
         # alone; each level but the innermost keeps one carry per chunk, and
         # each level runs the forward pass once more (the forward, each
         # level's recomputation, then each step's own jax.vjp).
-        *sizes, rem = policy_lib.split_nested(count, policy.nested,
+        *sizes, rem = _nested_split.split_nested(count, policy.nested,
                                               carry_bytes=self.carry_bytes or 1)
         levels = len(sizes)
         flops += count * (layer.flops + levels * layer.forward_flops)

@@ -5,89 +5,40 @@ keeps from the forward pass and what it recomputes. It is built from a
 ``remat=`` value (``False``, ``True``, ``"nested"``, ``"offload"``, ...) by
 :meth:`CheckpointPolicy.from_remat` and turned into a ``jax.checkpoint`` call
 for the loop body by :meth:`CheckpointPolicy.checkpoint_step` (and, for the
-outer loop of a nested loop, :meth:`CheckpointPolicy.checkpoint_chunk`). This
-is the only module that calls ``jax.checkpoint``.
+outer loop of a nested loop, :meth:`CheckpointPolicy.checkpoint_chunk`),
+which ``_checkpoint.py``, the only module that calls ``jax.checkpoint``,
+carries out. :data:`REMAT_ALIASES` is the table of ``remat=`` aliases.
 
-The loop machinery in ``loops.py`` tags the carry and the per-layer input of
-every step with the reserved names :data:`CARRY_NAME` and :data:`INPUT_NAME`;
-a block tags its own intermediates with :func:`checkpoint_name`. The policy
-then maps onto ``jax.checkpoint_policies``: names to save on device, names to
+A block tags its own intermediates with :func:`checkpoint_name`; the policy
+maps onto ``jax.checkpoint_policies``: names to save on device, names to
 offload to host memory, everything else recomputed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import jax
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
 
+from stacktools import _checkpoint
 from stacktools import _checks
-from stacktools import _context
+from stacktools import _nested_split
+from stacktools._checkpoint import CARRY_NAME  # noqa: F401  (re-exported)
+from stacktools._checkpoint import INPUT_NAME  # noqa: F401
+from stacktools._checkpoint import OUTER_CARRY_NAME  # noqa: F401
+from stacktools._checkpoint import RECOMPUTED  # noqa: F401
+from stacktools._checkpoint import RESERVED_NAMES
+from stacktools._checkpoint import checkpoint_name  # noqa: F401
 
 T = TypeVar("T")
-
-#: Name given to the loop carry at the start of every step.
-CARRY_NAME = "stacktools_carry"
-#: Name given to the per-layer input (the slice of ``xs``) of every step.
-INPUT_NAME = "stacktools_input"
-#: Name given to the carry entering each outer step of a nested loop, so that
-#: ``save_carries="offload"`` can move those carries to host memory too.
-OUTER_CARRY_NAME = "stacktools_outer_carry"
-#: Names stacktools gives values itself; a policy may not list them.
-RESERVED_NAMES = (CARRY_NAME, INPUT_NAME, OUTER_CARRY_NAME)
 
 SaveOption = Union[bool, Literal["offload"]]
 RematSpec = Union[bool, str, "CheckpointPolicy", None]
 
-
-
-def checkpoint_name(tree: T, name: str) -> T:
-  """Tags every array leaf of ``tree`` with ``name`` for a checkpoint policy.
-
-  A policy that lists ``name`` in ``save_block_internals`` keeps the tagged
-  values for the backward pass instead of recomputing them; one that lists it
-  in ``offload_block_internals`` keeps them in host memory. Leaves that are
-  not arrays (``None``, Python scalars) are returned unchanged.
-
-  Example::
-
-    def block(x, w):
-      h = st.checkpoint_name(jax.nn.gelu(x @ w), "mlp_hidden")
-      return x + h @ w.T
-
-    policy = st.CheckpointPolicy(save_block_internals=["mlp_hidden"])
-    y = st.fold(block, remat=policy)(jnp.ones((2, 8)), jnp.full((4, 8, 16), 0.1))
-
-  Args:
-    tree: any pytree; its array leaves are tagged.
-    name: the name a policy refers to.
-
-  Returns:
-    ``tree`` with the same structure and values.
-  """
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"checkpoint_name needs a non-empty string name, got {name!r}.")
-
-  def tag(leaf):
-    if isinstance(leaf, (jax.Array, np.ndarray)):
-      return _jax_checkpoint_name(leaf, name)
-    return leaf
-
-  for names in _RECORDERS.values():
-    names.add(name)
-  return jax.tree_util.tree_map(tag, tree)
-
-
-#: One set per checkpointed step being traced, innermost last: each collects
-#: the names given to checkpoint_name while its step is traced.
-_RECORDERS = _context.ContextStack[set[str]]()
 
 
 def _check_save_option(field: str, value: Any) -> None:
@@ -292,7 +243,7 @@ class CheckpointPolicy:
     Returns:
       ``(outer, inner, remainder)``: ``outer`` chunks of ``inner`` steps, then
       one chunk of ``remainder`` steps when ``remainder > 0`` (see
-      :func:`split_nested`, which also weighs the sizes of carries and inputs);
+      :func:`stacktools._nested_split.split_nested`, which also weighs the sizes of carries and inputs);
       with more levels, each level's count, then the remainder.
 
     Raises:
@@ -302,7 +253,7 @@ class CheckpointPolicy:
     if not self.nested:
       raise ValueError(f"{self} is not nested, so it does not split a loop; "
                        "use CheckpointPolicy(nested=True) or an outer size.")
-    return split_nested(length, self.nested)
+    return _nested_split.split_nested(length, self.nested)
 
   def inner(self) -> "CheckpointPolicy":
     """This policy for one step of the inner loop of a nested loop."""
@@ -319,44 +270,15 @@ class CheckpointPolicy:
 
   def jax_policy(self) -> Callable[..., Any]:
     """The ``jax.checkpoint_policies`` entry this policy maps onto."""
-    cp = jax.checkpoint_policies
-    if self.save_block_internals is True:
-      # Also saves the carry and inputs; save_carries=False cannot make a
-      # step forget values it needs once everything else is kept.
-      return cp.everything_saveable
-    save = list(self.save_block_internals or ())
-    offload = list(self.offload_block_internals)
-    # Carries and inputs are inputs of the step, kept without being named;
-    # only offloading them needs their names.
-    for option, name in ((self.save_carries, CARRY_NAME),
-                         (self.save_inputs, INPUT_NAME)):
-      if option == "offload":
-        offload.append(name)
-    if offload:
-      return cp.save_and_offload_only_these_names(
-          names_which_can_be_saved=save,
-          names_which_can_be_offloaded=offload,
-          offload_src="device",
-          offload_dst="pinned_host")
-    return cp.save_only_these_names(*save)
+    return _checkpoint.jax_policy(self)
 
   def checkpoint_step(self, step: Callable[..., T], *,
                       looped: bool = True) -> Callable[..., T]:
     """Wraps one loop step ``step(carry, x)`` in ``jax.checkpoint``.
 
-    When carries or inputs are offloaded, they are tagged with
-    :data:`CARRY_NAME` or :data:`INPUT_NAME` before ``step`` sees them, so
-    that the offloading policy can refer to them.
-
-    With checkpointing disabled, a step outside a loop is returned as it is.
-    A step inside a ``lax.scan`` keeps every value of the step but the
-    outputs of elementwise and layout operations (:data:`RECOMPUTED`),
-    which the backward pass recomputes from the values kept: a scan writes
-    each value it keeps into a stacked ``[L, ...]`` buffer, so keeping the
-    chain of elementwise values behind every activation costs more memory
-    and time than recomputing it, where an unrolled program lets XLA fuse
-    them away. Nothing costly (a matmul, a reduction, a jitted function, a
-    random draw) is recomputed.
+    See :func:`stacktools._checkpoint.checkpoint_step`: what a step keeps,
+    by the policy's fields; without checkpointing, every value but the
+    outputs of elementwise and layout operations (:data:`RECOMPUTED`).
 
     Args:
       step: ``step(carry, x) -> out``.
@@ -366,106 +288,12 @@ class CheckpointPolicy:
       The wrapped step; ``step`` itself when checkpointing is disabled and
       the step is not looped.
     """
-    if self.disable:
-      if not looped:
-        return step
-      return jax.checkpoint(step, policy=_keeps_all_but_elementwise,
-                            prevent_cse=False)
-
-    # A step's slice of xs is one of its inputs, so the backward pass has it
-    # whether or not the policy saves it: inside lax.scan it is read straight
-    # from xs, at no cost. Tagging it would make a named copy, and saving that
-    # copy would double the memory of xs, so it is tagged only to offload it.
-    tag_inputs = self.save_inputs == "offload"
-
-    # The carry too is an input of the step, kept in the backward pass
-    # whatever the policy; a named copy would only add a buffer (and the
-    # reduce-precision ops JAX puts on saved values), so it too is tagged
-    # only to offload it.
-    tag_carry = self.save_carries == "offload"
-
-    wanted = self.named_internals()
-
-    def named_step(carry, x):
-      if tag_inputs:
-        x = checkpoint_name(x, INPUT_NAME)
-      if tag_carry:
-        carry = checkpoint_name(carry, CARRY_NAME)
-      with _RECORDERS.push(set()) as tagged:
-        out = step(carry, x)
-      if not set(wanted) <= tagged:
-        # Recorded names cover st.checkpoint_name only; a block may also tag
-        # with jax.ad_checkpoint.checkpoint_name, which only its jaxpr shows.
-        _checks.check_names_tagged(wanted, step, carry, x,
-                                   reserved=RESERVED_NAMES)
-      return out
-
-    return jax.checkpoint(named_step, policy=self.jax_policy(),
-                          prevent_cse=self.prevent_cse)
-
+    return _checkpoint.checkpoint_step(self, step, looped=looped)
 
   def checkpoint_chunk(self, chunk: Callable[..., T]) -> Callable[..., T]:
-    """Wraps one outer step ``chunk(carry, x)`` of a nested loop.
-
-    The chunk is checkpointed as a whole: only its input carry is kept (in
-    host memory when ``save_carries="offload"``), and the backward pass
-    recomputes the chunk's inner loop, whose steps are wrapped by
-    :meth:`checkpoint_step` of :meth:`inner`.
-
-    Args:
-      chunk: ``chunk(carry, x) -> out``, an inner loop over a chunk of steps.
-
-    Returns:
-      The wrapped chunk.
-    """
-    cp = jax.checkpoint_policies
-    if self.save_carries == "offload":
-      jax_policy = cp.save_and_offload_only_these_names(
-          names_which_can_be_saved=[],
-          names_which_can_be_offloaded=[OUTER_CARRY_NAME],
-          offload_src="device", offload_dst="pinned_host")
-    else:
-      jax_policy = cp.nothing_saveable
-
-    def named_chunk(carry, x):
-      return chunk(checkpoint_name(carry, OUTER_CARRY_NAME), x)
-
-    return jax.checkpoint(named_chunk, policy=jax_policy,
-                          prevent_cse=self.prevent_cse)
-
-
-#: The primitives whose outputs a loop step without checkpointing does not
-#: keep (see :meth:`CheckpointPolicy.checkpoint_step`): elementwise
-#: arithmetic and layout changes, recomputed for the price of reading their
-#: inputs. Anything else (``dot_general``, reductions, ``pjit``, gathers,
-#: random bits, custom calls) is kept.
-RECOMPUTED = frozenset({
-    # Elementwise arithmetic.
-    "abs", "add", "ceil", "clamp", "cos", "div", "erf", "erfc", "exp", "exp2",
-    "expm1", "floor", "integer_pow", "log", "log1p", "logistic", "max", "min",
-    "mul", "neg", "pow", "rem", "round", "rsqrt", "sign", "sin", "sqrt",
-    "square", "sub", "tanh",
-    # Fused forms that newer JAX writes in derivatives (tanh's is
-    # one_minus_square in jax 0.12, where 0.10 wrote sub and mul).
-    "one_minus_square", "polynomial",
-    # Comparisons, logic and selection.
-    "and", "eq", "ge", "gt", "le", "lt", "ne", "not", "or", "select_n", "xor",
-    # Layout: the same values, moved or retyped.
-    "bitcast_convert_type", "broadcast_in_dim", "concatenate",
-    "convert_element_type", "copy", "copy_p", "expand_dims", "iota", "pad",
-    "reshape", "slice", "split", "squeeze", "stop_gradient", "transpose",
-    # A tag (st.checkpoint_name): the identity, so a tagged value is kept or
-    # recomputed as the operation that made it is (a tagged matmul output is
-    # still kept). Keeping every tagged value kept the attention's scores and
-    # probabilities both, and on a TPU a bfloat16 copy of them besides: the
-    # GPT-2-small step took 1.39x the unrolled one's time and 1.48x its
-    # memory (benchmarks/results/accelerator_tpu_v5_lite.json).
-    "name",
-})
-
-
-def _keeps_all_but_elementwise(prim: Any, *_, **__) -> bool:
-  return prim.name not in RECOMPUTED
+    """Wraps one outer step ``chunk(carry, x)`` of a nested loop (see
+    :func:`stacktools._checkpoint.checkpoint_chunk`)."""
+    return _checkpoint.checkpoint_chunk(self, chunk)
 
 
 #: The ``remat=`` aliases and the policies they stand for. ``False`` and
@@ -494,99 +322,3 @@ REMAT_ALIASES: Mapping[str, CheckpointPolicy] = types.MappingProxyType({
 CheckpointPolicy.ALIASES = REMAT_ALIASES
 
 
-def split_nested(length: int, nested: Union[bool, int, tuple[int, ...]], *,
-                 carry_bytes: float = 1.0, layer_bytes: float = 0.0,
-                 largest_leaf_bytes: float = 0.0, period: int = 1) -> tuple[int, ...]:
-  """How a nested loop of ``length`` steps is split.
-
-  Example::
-
-    assert split_nested(61, True) == (8, 7, 5)   # 8 chunks of 7 steps, then 5 steps
-
-  With ``nested=True`` the split minimises an estimate of the bytes the
-  backward pass holds at its peak:
-
-  * the carries: one per outer chunk, plus the ``inner`` carries of the
-    chunk being differentiated;
-  * the chunk's slice of ``xs`` and its gradient, ``2 * inner * layer_bytes``
-    (this is what makes nested worse than full when a layer's parameters are
-    much larger than its carry, unless chunks are kept short);
-  * with a remainder, the gradient of its slice of ``xs`` is padded to the
-    full length one leaf at a time: ``length * largest_leaf_bytes``.
-
-  With the default sizes this counts carries alone.
-
-  Args:
-    length: the number of steps.
-    nested: ``True`` to choose the split, an int number of full outer
-      chunks, at most ``length``, or a tuple of chunk counts per level
-      (their product at most ``length``).
-    carry_bytes: the size of the carry.
-    layer_bytes: the size of one step's slice of ``xs``.
-    largest_leaf_bytes: the size of the largest leaf of one step's slice.
-    period: the layers in one step (a mixed-layer stack loops over periods
-      of its pattern), for the error message.
-
-  Returns:
-    ``(outer, inner, remainder)`` with ``outer * inner + remainder == length``:
-    ``outer`` chunks of ``inner`` steps, then one chunk of ``remainder``
-    steps when ``remainder > 0``. For a tuple ``nested=(a, b)``,
-    ``(a, b, inner, remainder)`` with ``a * b * inner + remainder == length``.
-
-  Raises:
-    ValueError: when ``nested`` is an int larger than ``length``.
-  """
-  if length < 1:
-    raise ValueError(f"A nested loop needs length >= 1, got {length}.")
-  if nested is True:
-    def peak_bytes(inner):
-      outer, remainder = divmod(length, inner)
-      has_rem = remainder > 0
-      estimate = (carry_bytes * (outer + has_rem + inner) +
-                  2 * layer_bytes * max(inner, remainder) +
-                  has_rem * length * largest_leaf_bytes)
-      return estimate, has_rem, abs(inner - outer)
-    inner = min(range(1, length + 1), key=peak_bytes)
-    outer, remainder = divmod(length, inner)
-    return outer, inner, remainder
-  sizes = nested if isinstance(nested, tuple) else (nested,)
-  if math.prod(sizes) > length:
-    if period == 1:
-      asked, has = "", f"the loop has only {length} steps"
-    else:
-      asked = " of whole periods"
-      has = (f"the stack (or this per_depth segment) has {length} whole periods "
-             f"of {period} layers")
-    raise ValueError(
-        f"{_checks.where()}CheckpointPolicy(nested={nested}) asks for "
-        f"{math.prod(sizes)} {'outer ' if len(sizes) == 1 else ''}chunks{asked}, but {has}. Use nested=True to let stacktools "
-        f"choose the split, or an outer size between 1 and {length}.")
-  inner, remainder = divmod(length, math.prod(sizes))
-  return (*sizes, inner, remainder)
-
-
-def three_levels(length: int) -> Optional[tuple[int, int]]:
-  """The ``nested=(outer, middle)`` that keeps the fewest carries, if it pays.
-
-  Example::
-
-    assert three_levels(64) == (4, 4)   # 4 + 4 + 4 carries against 8 + 8
-
-  A third level costs one more forward pass, so it is offered (by the
-  planner, see :func:`stacktools.report.candidates`) only where it keeps at
-  least two carries fewer than the best two-level split.
-
-  Args:
-    length: the number of steps.
-
-  Returns:
-    ``(outer, middle)`` for ``CheckpointPolicy(nested=...)``, or ``None``.
-  """
-  def peak(sizes):   # carries live at the backward pass's peak
-    *outer, inner, remainder = split_nested(length, sizes)
-    return sum(outer) + (remainder > 0) + max(inner, remainder), sizes
-
-  two = min(peak((a,)) for a in range(1, length + 1))
-  three = min(peak((a, b)) for a in range(1, length + 1)
-              for b in range(1, length // a + 1))
-  return three[1] if three[0] <= two[0] - 2 else None

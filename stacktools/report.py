@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from stacktools import _checks
 from stacktools import _costs
 from stacktools import _model
+from stacktools import _nested_split
 from stacktools import policy as policy_lib
 from stacktools import segments as segments_lib
 
@@ -240,7 +241,7 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
       out[alias] = policy
   # A third level of nesting, where the loop is deep enough for it to keep
   # fewer carries (it costs one more forward pass).
-  levels = policy_lib.three_levels(stack.num_layers // stack.period)
+  levels = _nested_split.three_levels(stack.num_layers // stack.period)
   if levels is not None:
     out["nested({},{})".format(*levels)] = policy_lib.CheckpointPolicy(nested=levels)
   for name in stack.tagged_names:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Union
 
 from stacktools import _checks
 from stacktools import _context
+from stacktools import _nested_split
 from stacktools import policy as policy_lib
 
 #: The ``remat=`` value that asks the active plan for a policy.
@@ -240,7 +241,7 @@ def plan_context(context: PlanContext) -> contextlib.AbstractContextManager[Plan
 
 #: ``sizes()`` for a nested split: the carry's bytes, the bytes of one
 #: period's inputs, and the largest of those inputs' leaves (see
-#: :func:`stacktools.policy.split_nested`).
+#: :func:`stacktools._nested_split.split_nested`).
 Sizes = Callable[[], tuple[float, float, float]]
 
 
@@ -317,7 +318,7 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
         # slice of the inputs; the engine's own nested loop reads each row
         # in place (see stacktools/_nested.py), so carries alone count.
         period_bytes = largest = 0.0
-      split = policy_lib.split_nested(
+      split = _nested_split.split_nested(
           whole, policy.nested, carry_bytes=carry_bytes, layer_bytes=period_bytes,
           largest_leaf_bytes=largest, period=period)
     steps = {kind: _kind_policy(policy.inner(), kind, tagged) for kind in kinds}
