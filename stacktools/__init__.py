@@ -3,6 +3,7 @@
 from stacktools._arguments import per_kind
 from stacktools._arguments import layer_index
 from stacktools._arguments import per_layer
+from stacktools._drop_in import layer_stack
 from stacktools.depth import take_layers
 from stacktools.loops import fold
 from stacktools.loops import map  # pylint: disable=redefined-builtin
@@ -18,7 +19,6 @@ from stacktools.report import remat_report
 from stacktools.segments import per_depth
 from stacktools.seq import BlockSeq
 from stacktools.sharding import stacked_partition_specs
-from stacktools.stack import layer_stack
 from stacktools.stack import Stacked
 
 # The classes of values the public factories return, importable for
