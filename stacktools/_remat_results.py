@@ -1,12 +1,13 @@
 """What planning gives back: the report of every candidate plan, and the plan chosen.
 
-:class:`RematReport` (``st.RematReport``) is a table of :class:`ReportRow`s,
-one per joint plan: predicted, and compiled and timed where the planner did
-so. :class:`RematPlan` (``st.RematPlan``) holds the chosen candidate of every
-stack and answers ``remat="auto"`` while a step is traced under it. Each
-leads to the other (``report.plan(budget=...)``, ``plan.report``), so both
-live here, below the planner that fills them (``_remat_compile.py``,
-``_remat_choose.py``); ``report.py`` and ``plan.py`` are their public homes.
+:class:`RematReport` (``st.RematReport``) is a table of rows
+(:class:`ReportRow`), one per joint plan: predicted, and compiled and timed
+where the planner did so. :class:`RematPlan` (``st.RematPlan``) holds the
+chosen candidate of every stack and answers ``remat="auto"`` while a step is
+traced under it. Each leads to the other (``report.plan(budget=...)``,
+``plan.report``), so both live here, below the planner that fills them
+(``_remat_compile.py``, ``_remat_choose.py``); ``report.py`` and ``plan.py``
+give them their public addresses.
 
 The rule that picks a row under a budget is here too: a row fits by its
 compiled temp memory, or where not compiled by its prediction with

@@ -15,10 +15,14 @@ besides its stacks, which every prediction then adds. In pseudo-code::
   compile_all=True: compile (and time) every plan, beside its prediction
 
 This module is the public entry; the machinery is below it, shared with
-``plan.py`` (which this module does not import, nor it this one)::
+``plan.py`` (which this module does not import, nor it this one), and its
+modules import one another in one direction only::
 
-  report.py, plan.py -> _remat_choose.py -> _remat_compile.py
-                     -> _remat_results.py -> _remat_search.py
+  report.py, plan.py
+    -> _remat_choose.py    the planner's few compiles and its choice
+    -> _remat_compile.py   compiling and timing plans; Plans, the record
+    -> _remat_results.py   ReportRow, RematReport, RematPlan
+    -> _remat_search.py    one trace: the stacks, their candidates
 """
 
 from __future__ import annotations
