@@ -32,7 +32,7 @@ from stacktools.segments import PerDepth
 # The alias table by its first name; CheckpointPolicy.ALIASES is its home.
 from stacktools.policy import REMAT_ALIASES
 
-__version__ = "0.1.0"
+from stacktools._version import __version__
 
 __all__ = (
     "BlockSeq",

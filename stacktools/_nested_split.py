@@ -93,7 +93,7 @@ def three_levels(length: int) -> Optional[tuple[int, int]]:
     assert three_levels(64) == (4, 4)   # 4 + 4 + 4 carries against 8 + 8
 
   A third level costs one more forward pass, so it is offered (by the
-  planner, see :func:`stacktools.report.candidates`) only where it keeps at
+  planner, see :func:`stacktools._remat_search.candidates`) only where it keeps at
   least two carries fewer than the best two-level split.
 
   Args:

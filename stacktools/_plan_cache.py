@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import jax
 
+from stacktools import _version
+
 #: The environment variable naming the default cache folder.
 ENV = "STACKTOOLS_PLAN_CACHE"
 #: Bumped when the file's layout changes; older files are then replanned.
@@ -64,7 +66,6 @@ def key(text: str, args: Sequence[Any], options: Mapping[str, Any]) -> dict[str,
   """
   # Printed functions carry their addresses, which differ between processes.
   text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
-  from stacktools import __version__  # pylint: disable=g-import-not-at-top
   device = jax.devices()[0]
   return {
       "jaxpr_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -73,7 +74,7 @@ def key(text: str, args: Sequence[Any], options: Mapping[str, Any]) -> dict[str,
       "backend": {"platform": device.platform, "device_kind": device.device_kind,
                   "devices": jax.device_count(), "processes": jax.process_count()},
       "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version(),
-                   "stacktools": __version__},
+                   "stacktools": _version.__version__},
   }
 
 
