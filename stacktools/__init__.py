@@ -16,7 +16,7 @@ from stacktools.plan import plan_remat
 from stacktools.policy import checkpoint_name
 from stacktools.policy import CheckpointPolicy
 from stacktools.report import remat_report
-from stacktools.segments import per_depth
+from stacktools.loop_plan import per_depth
 from stacktools.seq import BlockSeq
 from stacktools.sharding import stacked_partition_specs
 from stacktools.stack import Stacked
@@ -28,7 +28,7 @@ from stacktools._arguments import PerLayer
 from stacktools.optim import OverLayersState
 from stacktools.plan import RematPlan
 from stacktools.report import RematReport
-from stacktools.segments import PerDepth
+from stacktools.loop_plan import PerDepth
 # The alias table by its first name; CheckpointPolicy.ALIASES is its home.
 from stacktools.policy import REMAT_ALIASES
 

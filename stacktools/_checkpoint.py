@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
 
-from stacktools import _checks
 from stacktools import _context
+from stacktools import _jaxpr
 
 T = TypeVar("T")
 #: A ``stacktools.policy.CheckpointPolicy`` (not imported: it imports this).
@@ -156,7 +156,7 @@ def checkpoint_step(policy: Policy, step: Callable[..., T], *,
     if not set(wanted) <= tagged:
       # Recorded names cover st.checkpoint_name only; a block may also tag
       # with jax.ad_checkpoint.checkpoint_name, which only its jaxpr shows.
-      _checks.check_names_tagged(wanted, step, carry, x,
+      _jaxpr.check_names_tagged(wanted, step, carry, x,
                                  reserved=RESERVED_NAMES)
     return out
 

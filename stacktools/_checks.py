@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import difflib
 import math
 import numbers
 import operator
@@ -382,68 +381,3 @@ def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
 
 # ---------------------------------------------------------------------------
 # Names a checkpoint policy refers to.
-
-
-_RECORDINGS = _context.ContextStack[list[Any]]()
-
-
-def recording_traces() -> contextlib.AbstractContextManager[list[Any]]:
-  """Collects ``(closed_jaxpr, args)`` of every :func:`names_tagged_in` trace.
-
-  The remat planner reads a loop's step from the trace that finds its names
-  (one per kind of block), rather than tracing the step again. Only the
-  innermost recording collects, so a stack inside a block is not mistaken
-  for the outer stack's step.
-  """
-  return _RECORDINGS.push([])
-
-
-def names_tagged_in(fn: Any, *args: Any) -> set[str]:
-  """Every name given to ``checkpoint_name`` when ``fn(*args)`` is traced.
-
-  Walks the jaxpr, sub-jaxprs (scans, conds, checkpoints, jits) included, so
-  names tagged with ``jax.ad_checkpoint.checkpoint_name`` count too.
-  """
-  names: set[str] = set()
-  closed = jax.make_jaxpr(fn)(*args)
-  if _RECORDINGS:
-    _RECORDINGS.innermost().append((closed, args))
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "name":
-        names.add(eqn.params["name"])
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          sub = getattr(sub, "jaxpr", sub)    # a ClosedJaxpr holds a Jaxpr
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(closed.jaxpr)
-  return names
-
-
-def check_names_tagged(wanted: Any, step: Any, carry: PyTree, x: PyTree, *,
-                       reserved: Any = ()) -> None:
-  """Every name a policy saves or offloads must be tagged in the block.
-
-  A name that nothing tags (a typo, or a tag removed from the block) would
-  otherwise save nothing, silently.
-  """
-  tagged = names_tagged_in(step, carry, x) - set(reserved)
-  missing = [name for name in wanted if name not in tagged]
-  if not missing:
-    return
-  hints = []
-  for name in missing:
-    close = difflib.get_close_matches(name, sorted(tagged), n=1)
-    if close:
-      hints.append(f" ({name!r}: did you mean {close[0]!r}?)")
-  tagged_list = sorted(tagged) if tagged else "no names"
-  raise ValueError(
-      f"The checkpoint policy saves or offloads the block internals {missing}, "
-      "but no block tags a value with "
-      f"{'that name' if len(missing) == 1 else 'those names'}, so nothing would "
-      f"be saved for it. The block tags {tagged_list}{''.join(hints)}. Fix the "
-      "name in the policy, or tag the value in the block with "
-      "st.checkpoint_name(value, name).")

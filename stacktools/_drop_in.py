@@ -19,8 +19,8 @@ from stacktools import _checks
 from stacktools import _kinds
 from stacktools import _layer_step
 from stacktools import _stack_module
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 from stacktools import stack as stack_lib
 
 
@@ -28,9 +28,9 @@ class _LayerStackScope(hk.Module):
   """The module hk.layer_stack's parameters live under; runs one call."""
 
   def __call__(self, block_call, x, arguments, *, remat, **config):
-    if isinstance(remat, segments_lib.AutoRemat):
+    if isinstance(remat, loop_plan.AutoRemat):
       # A plan tells stacks apart by their unique module name.
-      remat = segments_lib.AutoRemat(self.module_name)
+      remat = loop_plan.AutoRemat(self.module_name)
     with _checks.subject("layer_stack"):
       return stack_lib.run_stacked({_stack_module.BLOCK: _layer_step.make_inner(block_call, arguments)},
                          x, arguments, remat=remat, **config)
@@ -91,7 +91,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
   """
   with _checks.subject("layer_stack"):
     num_layers = _checks.check_num_layers(num_layers)
-    remat = segments_lib.as_remat(remat)
+    remat = loop_plan.as_remat(remat)
     unroll = _checks.check_unroll(unroll)
   if not name:
     name = ("__layer_stack_with_per_layer" if with_per_layer_inputs

@@ -41,6 +41,7 @@ import numpy as np
 from stacktools import _arguments
 from stacktools import _checks
 from stacktools import _in_place
+from stacktools import _jaxpr
 from stacktools import _kinds
 
 PyTree = Any
@@ -319,7 +320,7 @@ def kind_tags(pattern: _kinds.Pattern, inners: Mapping[str, hk.TransformedWithSt
       with _arguments.at_layer(jax.numpy.asarray(first, jax.numpy.int32)):
         return inner.init(jax.random.PRNGKey(0), x, sliced)
 
-    tags[kind] = _checks.names_tagged_in(
+    tags[kind] = _jaxpr.names_tagged_in(
         init, x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, first))
   return tags
 

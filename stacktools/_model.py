@@ -42,10 +42,10 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from stacktools import _costs
+from stacktools import _jaxpr
 from stacktools import _nested_split
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -98,7 +98,7 @@ class Layer:
                         if jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)]
     self.outs = [jax.ShapeDtypeStruct(jaxpr.outvars[i].aval.shape,
                                       jaxpr.outvars[i].aval.dtype) for i in self._float_outs]
-    self.forward_flops = _costs.jaxpr_flops(jaxpr)
+    self.forward_flops = _jaxpr.jaxpr_flops(jaxpr)
     x_leaves = [_aval_bytes(a) for a in jax.tree_util.tree_leaves(self.x)]
     self.carry_bytes = sum(_aval_bytes(a) for a in jax.tree_util.tree_leaves(self.carry))
     self.input_bytes = sum(x_leaves)
@@ -151,7 +151,7 @@ class Layer:
         host += _aval_bytes(v.aval)
       else:
         kept += _aval_bytes(v.aval)
-    return LayerCost(kept=kept, host=host, flops=_costs.jaxpr_flops(jaxpr),
+    return LayerCost(kept=kept, host=host, flops=_jaxpr.jaxpr_flops(jaxpr),
                      forward_flops=self.forward_flops)
 
 
@@ -199,8 +199,8 @@ class StackModel:
 
   def cost(self, remat: Any) -> StackCost:
     """The stack's cost under a candidate (a policy or per-depth segments)."""
-    remat = segments_lib.as_remat(remat)
-    parts = (remat.segments if isinstance(remat, segments_lib.PerDepth)
+    remat = loop_plan.as_remat(remat)
+    parts = (remat.segments if isinstance(remat, loop_plan.PerDepth)
              else ((self.num_layers, remat),))
     flops = kept = peak = host = 0
     if len(parts) > 1:
@@ -293,7 +293,7 @@ def predict(models: Mapping[str, StackModel], plan: Mapping[str, Any], *,
                     temp_bytes=int(peak + (host if host_is_device else 0)))
 
 
-def single_loop(remat: Union[policy_lib.CheckpointPolicy, segments_lib.PerDepth, Any]) -> bool:
+def single_loop(remat: Union[policy_lib.CheckpointPolicy, loop_plan.PerDepth, Any]) -> bool:
   """Whether a candidate runs each stack as one flat loop (compiles fastest)."""
-  remat = segments_lib.as_remat(remat)
+  remat = loop_plan.as_remat(remat)
   return isinstance(remat, policy_lib.CheckpointPolicy) and not remat.nested

@@ -39,17 +39,17 @@ from stacktools import _layer_step
 from stacktools import _pipelined_loss
 from stacktools import _schedules
 from stacktools import _stages
+from stacktools import loop_plan
 from stacktools import loops
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 PyTree = Any
 
 
 def run_stack(steps: Mapping[str, loops.Step], x: PyTree,
               layers: Mapping[str, _layer_step.LayerSlice], updaters: Mapping[str, Any],
-              plan: segments_lib.LoopPlan, *, pipeline: pipeline_lib.Pipeline,
+              plan: loop_plan.LoopPlan, *, pipeline: pipeline_lib.Pipeline,
               stages: int, num_layers: int, arguments: _arguments.BlockArguments,
               unroll: Any, ends: Optional[_pipelined_loss.Ends] = None
               ) -> tuple[PyTree, PyTree]:

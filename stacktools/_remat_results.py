@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, Optional, Union
 
 from stacktools import _remat_search
-from stacktools import segments as segments_lib
+from stacktools import loop_plan
 
 #: The cost model's error on temp bytes that the planner allows for: a plan
 #: predicted within this fraction of the budget is compiled before it is
@@ -278,7 +278,7 @@ class RematPlan:
     self._contexts: list[Any] = []
 
   def __enter__(self) -> "RematPlan":
-    context = segments_lib.plan_context(_remat_search.Fixed(self.choice))
+    context = loop_plan.plan_context(_remat_search.Fixed(self.choice))
     context.__enter__()
     self._contexts.append(context)
     return self

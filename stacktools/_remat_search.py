@@ -36,11 +36,11 @@ from typing import Any, Optional, Union
 import jax
 
 from stacktools import _checks
-from stacktools import _costs
+from stacktools import _jaxpr
 from stacktools import _model
 from stacktools import _nested_split
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 #: How many joint plans are predicted at most before falling back to giving
 #: every stack the same kind of candidate.
@@ -134,7 +134,7 @@ class _Discovery:
   def remat_for(self, key, length, probe, period=1):
     key = self._keys(key)
     if key not in self.stacks:
-      with _checks.recording_traces() as traces:   # one per kind of block
+      with _jaxpr.recording_traces() as traces:   # one per kind of block
         tagged = sorted(probe() - set(policy_lib.RESERVED_NAMES))
       self.stacks[key] = StackInfo(key, length, tuple(tagged), period)
       self.layers[key] = traces
@@ -164,7 +164,7 @@ def under(context, fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` that runs under ``context``, whenever it is called or traced."""
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with segments_lib.plan_context(context):
+    with loop_plan.plan_context(context):
       return fn(*args, **kwargs)
   return wrapped
 
@@ -203,7 +203,7 @@ def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
                                    [_model.Layer(c, a) for c, a in context.layers[key]])
             for key, info in context.stacks.items()}
   return Traced(stacks=tuple(context.stacks.values()), models=models,
-                step_flops=_costs.jaxpr_flops(closed.jaxpr), jaxpr=closed)
+                step_flops=_jaxpr.jaxpr_flops(closed.jaxpr), jaxpr=closed)
 
 
 def discover(step_fn: Callable[..., Any], *args: Any) -> tuple[StackInfo, ...]:
@@ -252,7 +252,7 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
   splits = sorted({round(f * n) for f in MIX_FRACTIONS} - {0, n})
   for first, rest in MIX_PAIRS:
     for k in splits:
-      mix = segments_lib.per_depth((k, first), (n - k, rest))
+      mix = loop_plan.per_depth((k, first), (n - k, rest))
       out[str(mix)] = mix
   return out
 

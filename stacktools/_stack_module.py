@@ -18,8 +18,8 @@ from stacktools import _arguments
 from stacktools import _checks
 from stacktools import _kinds
 from stacktools import _layer_step
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 PyTree = Any
 
@@ -54,7 +54,7 @@ class StackModule(hk.Module):
                                           ys_by_kind)
       # "auto" is keyed by this module's unique name, so that a plan tells
       # several stacks apart.
-      self.remat = segments_lib.as_remat(remat, key=self.module_name)
+      self.remat = loop_plan.as_remat(remat, key=self.module_name)
     self.make_block = make_block
     self.reverse = reverse
 

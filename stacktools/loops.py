@@ -28,8 +28,8 @@ from jax import lax
 from stacktools import _checks
 from stacktools import _kinds
 from stacktools import _nested
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 Carry = TypeVar("Carry")
 Y = TypeVar("Y")
@@ -69,7 +69,7 @@ def fold(f: Callable[[Carry, Any], Carry], *, length: Optional[int] = None,
   Returns:
     ``run(init, xs=None) -> carry``.
   """
-  remat = segments_lib.as_remat(remat)
+  remat = loop_plan.as_remat(remat)
   unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
@@ -120,7 +120,7 @@ def scan(f: Callable[[Carry, Any], tuple[Carry, Y]], *,
     ``run(init, xs=None) -> (carry, ys)``, every leaf of ``ys`` with a leading
     axis of the loop length.
   """
-  remat = segments_lib.as_remat(remat)
+  remat = loop_plan.as_remat(remat)
   unroll = _checks.check_unroll(unroll)
 
   def step(carry, x):
@@ -189,55 +189,13 @@ def loop(step: Step, init: PyTree, xs: PyTree, n: int, remat: Any,
   if n == 0:
     return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
   pattern, steps, kind_xs = _single(n), {LAYER: step}, {LAYER: xs}
-  plan = plan_for(steps, init, kind_xs, pattern, remat, reverse=reverse)
+  plan = loop_plan.plan_for(steps, init, kind_xs, pattern, remat, reverse=reverse)
   carry, ys = run(steps, init, kind_xs, pattern, plan, unroll=unroll)
   return carry, ys[LAYER]
 
 
-def plan_for(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
-             pattern: _kinds.Pattern, remat: Any, *, reverse: bool = False,
-             init: bool = False,
-             tags: Optional[Callable[[], Mapping[str, set[str]]]] = None
-             ) -> segments_lib.LoopPlan:
-  """The loop plan of ``remat`` for these steps and inputs.
-
-  Gives :func:`stacktools.segments.plan_loop` what only the loop's values
-  tell: the names the blocks tag (for a plan that discovers loops) and the
-  sizes a nested split weighs.
-
-  Args:
-    steps: each kind's ``step(x, layer_slice) -> (x, out)``.
-    x: the carry.
-    xs: each kind's inputs, in kind order (leading axis: the kind's count).
-    pattern: the layout (one kind, period 1, for a plain loop).
-    remat: any ``remat=`` value.
-    reverse: run from the last layer to the first.
-    init: whether Haiku is initialising (``"auto"`` then needs no plan).
-    tags: returns the names each kind's block tags (see
-      :func:`stacktools.segments.plan_loop`).
-
-  Returns:
-    The plan :func:`run` takes.
-  """
-  def first(kind):
-    return jax.tree_util.tree_map(lambda a: a[0], xs[kind])
-
-  def probe():
-    return set().union(*(_checks.names_tagged_in(steps[k], x, first(k)) for k in steps))
-
-  def sizes():
-    carry_bytes = sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(x)) or 1
-    leaves = [pattern.per_period(k) * _checks.nbytes(a, skip_leading=True)
-              for k in xs for a in jax.tree_util.tree_leaves(xs[k])]
-    return carry_bytes, sum(leaves), max(leaves, default=0)
-
-  return segments_lib.plan_loop(remat, pattern.num_layers, kinds=pattern.names,
-                                period=pattern.period, reverse=reverse, init=init,
-                                probe=probe, sizes=sizes, tags=tags)
-
-
 def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
-        pattern: _kinds.Pattern, plan: segments_lib.LoopPlan, *,
+        pattern: _kinds.Pattern, plan: loop_plan.LoopPlan, *,
         unroll: Union[int, bool] = 1) -> tuple[PyTree, dict[str, PyTree]]:
   """Runs every layer of a loop plan; pure JAX.
 
@@ -253,7 +211,7 @@ def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
     x: the carry.
     xs: each kind's inputs, in kind order (leading axis: the kind's count).
     pattern: the layout.
-    plan: from :func:`plan_for`.
+    plan: from :func:`stacktools.loop_plan.plan_for`.
     unroll: periods per rolled iteration of the period loop; ``True``
       unrolls every loop.
 

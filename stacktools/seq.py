@@ -25,8 +25,8 @@ from stacktools import _arguments
 from stacktools import _kinds
 from stacktools import _layer_step
 from stacktools import _stack_module
+from stacktools import loop_plan
 from stacktools import policy as policy_lib
-from stacktools import segments as segments_lib
 
 PyTree = Any
 
@@ -106,7 +106,7 @@ class BlockSeq(_stack_module.StackModule):
     rates = _layer_step.drop_rates(self.layer_drop, keys)
     # The loop plan Stacked would run, walked one layer at a time (a plan's
     # choice for remat="auto" comes with no tagged names discovered).
-    plan = segments_lib.plan_loop(
+    plan = loop_plan.plan_loop(
         self.remat, n, kinds=pattern.names, period=pattern.period,
         reverse=self.reverse, init=hk.running_init(),
         tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))

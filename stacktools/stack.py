@@ -34,6 +34,7 @@ from stacktools import _kinds
 from stacktools import _layer_step
 from stacktools import _pipelined
 from stacktools import _stack_module
+from stacktools import loop_plan
 from stacktools import loops
 from stacktools import pipeline as pipeline_lib
 from stacktools import policy as policy_lib
@@ -93,7 +94,7 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
   rates = _layer_step.drop_rates(layer_drop, keys)
   steps = {kind: _layer_step.droppable(_layer_step.checked_step(inners[kind], mode, arguments),
                                        rates) for kind in pattern.names}
-  plan = loops.plan_for(
+  plan = loop_plan.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
       tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))
   if pipelined:

@@ -53,13 +53,13 @@ def test_all_is_small_and_every_name_in_it_imports():
 
 
 def _modules():
-  """The names of the package's modules (``segments``, ``_checks``, ...)."""
+  """The names of the package's modules (``loop_plan``, ``_checks``, ...)."""
   return sorted(m.name for m in pkgutil.iter_modules(stacktools.__path__))
 
 
 def test_the_module_list_is_what_it_should_be():
   modules = _modules()
-  assert {"loops", "policy", "segments"} <= set(modules), modules
+  assert {"loops", "policy", "loop_plan"} <= set(modules), modules
   for name in modules:
     importlib.import_module(f"stacktools.{name}")
 

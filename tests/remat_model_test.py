@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _costs
+from stacktools import _jaxpr
 from stacktools import _model
 from stacktools import _remat_choose
 from stacktools import _remat_compile
@@ -129,7 +129,7 @@ def test_predicted_flops_match_the_compiled_steps_jaxpr(compiled_report):
   for row in report.rows:
     (label,) = row.plan.values()
     remat = report.remats["loop_0"][label]
-    counted = _costs.flops(_remat_search.under(_remat_search.Fixed({"loop_0": remat}), step),
+    counted = _jaxpr.flops(_remat_search.under(_remat_search.Fixed({"loop_0": remat}), step),
                            *args)
     if ":" in label or label == "nested":
       # Seams add the gradients of slices; chunks recompute a little more.

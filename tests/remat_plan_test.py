@@ -1,6 +1,6 @@
 """Tests for per-depth policies, the remat report and the planner (remat="auto").
 
-References are independent of segments.py and the planner (report.py, plan.py,
+References are independent of loop_plan.py and the planner (report.py, plan.py,
 _remat_*.py):
 
 * values and gradients of ``per_depth`` stacks against the same stack with one
@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _costs
+from stacktools import _jaxpr
 from stacktools import _remat_compile
 from stacktools import _remat_results
 from stacktools import _remat_search
-from stacktools import segments as segments_lib
+from stacktools import loop_plan
 
 L, D, B = 6, 8, 4
 RTOL = 1e-5
@@ -191,11 +191,11 @@ def test_per_depth_stack_counts_checked_at_construction(cls):
 def test_flops_count_a_scan_like_the_unrolled_loop():
   c, ws = jnp.ones((B, D)), _weights()
   grad = lambda fold: jax.grad(lambda c: jnp.sum(fold(c, ws)))
-  scanned = _costs.flops(grad(st.fold(_step, remat="full")), c)
-  unrolled = _costs.flops(grad(lambda c, ws: _python_loop(c, ws)), c)
-  plain_scan = _costs.flops(grad(lambda c, ws: jax.lax.scan(
+  scanned = _jaxpr.flops(grad(st.fold(_step, remat="full")), c)
+  unrolled = _jaxpr.flops(grad(lambda c, ws: _python_loop(c, ws)), c)
+  plain_scan = _jaxpr.flops(grad(lambda c, ws: jax.lax.scan(
       lambda c, w: (_step(c, w), None), c, ws)[0]), c)
-  no_remat = _costs.flops(grad(st.fold(_step)), c)
+  no_remat = _jaxpr.flops(grad(st.fold(_step)), c)
   # A scan counts like the loop; no remat recomputes elementwise values
   # only; "full" the forward pass: more than the loop, less than twice.
   assert plain_scan == unrolled
@@ -352,7 +352,7 @@ def test_report_memory_is_the_candidates_compiled_memory(one_stack_report, label
   assert row.temp_bytes == want
   # Predicted from one layer's FLOPs times the layers: what counting the
   # whole step's jaxpr gives (a nested loop's chunking aside).
-  assert row.flops == pytest.approx(_costs.flops(direct, params, x), rel=0.01)
+  assert row.flops == pytest.approx(_jaxpr.flops(direct, params, x), rel=0.01)
 
 
 def test_report_orders_the_classic_trade(one_stack_report):
@@ -381,7 +381,7 @@ def test_plan_chooses_fewest_flops_within_budget(one_stack_report):
   # And computes what the step computes with any fixed policy.
   with plan:
     value, grads = jax.jit(step)(params, x)
-  with segments_lib.plan_context(_remat_search.Fixed({"h0": "none"})):
+  with loop_plan.plan_context(_remat_search.Fixed({"h0": "none"})):
     ref_value, ref_grads = jax.jit(lambda p, x: step(p, x))(params, x)
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),

@@ -31,8 +31,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
+import jax
+
 from stacktools import _checks
 from stacktools import _context
+from stacktools import _jaxpr
+from stacktools import _kinds
 from stacktools import _nested_split
 from stacktools import policy as policy_lib
 
@@ -344,3 +348,45 @@ def _kind_policy(policy: policy_lib.CheckpointPolicy, kind: str,
   return dataclasses.replace(
       policy, save_block_internals=saved if isinstance(saved, bool) else keep(saved),
       offload_block_internals=keep(policy.offload_block_internals))
+
+
+def plan_for(steps: Mapping[str, Callable[..., Any]], x: PyTree, xs: Mapping[str, PyTree],
+             pattern: _kinds.Pattern, remat: Any, *, reverse: bool = False,
+             init: bool = False,
+             tags: Optional[Callable[[], Mapping[str, set[str]]]] = None
+             ) -> LoopPlan:
+  """The loop plan of ``remat`` for these steps and inputs.
+
+  Gives :func:`plan_loop` what only the loop's values
+  tell: the names the blocks tag (for a plan that discovers loops) and the
+  sizes a nested split weighs.
+
+  Args:
+    steps: each kind's ``step(x, layer_slice) -> (x, out)``.
+    x: the carry.
+    xs: each kind's inputs, in kind order (leading axis: the kind's count).
+    pattern: the layout (one kind, period 1, for a plain loop).
+    remat: any ``remat=`` value.
+    reverse: run from the last layer to the first.
+    init: whether Haiku is initialising (``"auto"`` then needs no plan).
+    tags: returns the names each kind's block tags (see
+      :func:`plan_loop`).
+
+  Returns:
+    The plan :func:`stacktools.loops.run` takes.
+  """
+  def first(kind):
+    return jax.tree_util.tree_map(lambda a: a[0], xs[kind])
+
+  def probe():
+    return set().union(*(_jaxpr.names_tagged_in(steps[k], x, first(k)) for k in steps))
+
+  def sizes():
+    carry_bytes = sum(_checks.nbytes(c) for c in jax.tree_util.tree_leaves(x)) or 1
+    leaves = [pattern.per_period(k) * _checks.nbytes(a, skip_leading=True)
+              for k in xs for a in jax.tree_util.tree_leaves(xs[k])]
+    return carry_bytes, sum(leaves), max(leaves, default=0)
+
+  return plan_loop(remat, pattern.num_layers, kinds=pattern.names,
+                   period=pattern.period, reverse=reverse, init=init,
+                   probe=probe, sizes=sizes, tags=tags)
