@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stacktools import _checks
+from stacktools import _depth_checks
 from stacktools import _kinds
 from stacktools import params as params_lib
 
@@ -109,12 +110,12 @@ def take_layers(params: Bundle, name: str, indices: Indices, *,
       ``zero`` entry that names no leaf.
   """
   with _checks.subject("take_layers"):
-    prefix = _check_name(name)
-    inside = _stack_modules(params, prefix, "params")
-    out = {k: dict(v) for k, v in params.items() if not params_lib._under(k, prefix)}  # pylint: disable=protected-access
-    picks = _check_indices(indices)
-    fresh = new is not None and _stack_modules(new, prefix, "new")
-    zero = _check_zero(zero)
+    prefix = _depth_checks.check_name(name)
+    inside = _depth_checks.stack_modules(params, prefix, "params")
+    out = {k: dict(v) for k, v in params.items() if not params_lib.under(k, prefix)}
+    picks = _depth_checks.check_indices(indices)
+    fresh = new is not None and _depth_checks.stack_modules(new, prefix, "new")
+    zero = _depth_checks.check_zero(zero)
     if zero and new is None:
       raise ValueError(f"take_layers: zero={list(zero)} zeroes leaves of the fresh "
                        "layers, which come from new=; pass new= (the stack at the "
@@ -180,152 +181,6 @@ def insert_new(n: int, m: int, period: int = 1) -> list[Optional[int]]:
 
 
 # ---------------------------------------------------------------------------
-# Checks.
-
-
-def _check_name(name: Any) -> str:
-  if not isinstance(name, str) or not name or name.endswith("/"):
-    raise ValueError(f"take_layers: name={name!r} must be the stack's full module "
-                     "name, such as 'model/h' (no trailing '/').")
-  return name
-
-
-def _stack_modules(params: Any, prefix: str, arg: str) -> dict[str, Mapping[str, Any]]:
-  """The modules of ``params`` under ``prefix``; one line if there are none."""
-  if not isinstance(params, Mapping):
-    raise ValueError(f"take_layers: {arg} must be Haiku params or state, "
-                     f"{{module: {{name: array}}}}; got {_checks.describe(params)}.")
-  inside = {k: v for k, v in params.items() if params_lib._under(k, prefix)}  # pylint: disable=protected-access
-  if not inside:
-    modules = sorted(params)
-    raise ValueError(
-        f"take_layers: no module of {arg} is named {prefix!r} or lies under it; its "
-        f"modules are {modules[:6]}{f' ... ({len(modules)} in all)' if len(modules) > 6 else ''}. "
-        "Pass the stack's full module name.")
-  return inside
-
-
-def _check_indices(indices: Any) -> list[Optional[int]]:
-  if isinstance(indices, (str, bytes)) or not isinstance(indices, (Sequence, np.ndarray, range)):
-    raise ValueError(f"take_layers: indices must be a list of layer indices (ints, "
-                     f"None for a fresh layer); got {_checks.describe(indices)}.")
-  picks = []
-  for p, i in enumerate(indices):
-    value = None if i is None else _checks.as_int(i)
-    if i is not None and value is None:
-      raise ValueError(f"take_layers: indices[{p}]={i!r} is not a layer index; each "
-                       "entry is an int (an old layer) or None (a fresh layer).")
-    picks.append(value)
-  if not picks:
-    raise ValueError("take_layers: indices is empty; a stack keeps at least one layer.")
-  return picks
-
-
-def _check_zero(zero: Any) -> tuple[str, ...]:
-  names = (zero,) if isinstance(zero, str) else tuple(zero)
-  for entry in names:
-    if not isinstance(entry, str) or not entry or entry.startswith("/") or entry.endswith("/"):
-      raise ValueError(f"take_layers: zero= entry {entry!r} must name leaves by the end "
-                       "of their path inside a layer, e.g. 'attn/proj' or 'attn/proj/w'.")
-  return names
-
-
-def _check_range(picks: list[Optional[int]], depth: int, prefix: str) -> None:
-  for p, i in enumerate(picks):
-    if i is not None and not 0 <= i < depth:
-      raise ValueError(
-          f"take_layers: indices[{p}]={i} is out of range: {prefix!r} has {depth} "
-          f"layers (0 to {depth - 1}); use None for a fresh layer from new=.")
-
-
-def _check_not_kinds(inside: Bundle, prefix: str) -> None:
-  """Without ``pattern=``, refuses modules laid out as a mixed-layer stack's kinds.
-
-  A mixed-layer stack keeps each kind under ``<prefix>/<kind>/...`` with a
-  Layers axis of its own; read as a stack of one block, the indices would
-  pick each kind's rows (``[0, 1]`` of a 4-layer ``"AB"`` stack keeps all 4).
-  """
-  rests = [key[len(prefix) + 1:] for key in inside]
-  if any("/" not in rest for rest in rests):
-    return     # a module directly under the stack: not a kind
-  scopes = sorted({rest.split("/")[0] for rest in rests})
-  if len(scopes) < 2:
-    return
-  raise ValueError(
-      f"take_layers: the modules under {prefix!r} lie under {scopes}, as the kinds of "
-      f"a mixed-layer stack do ({prefix}/<kind>/..., each kind its own Layers axis), "
-      "and without pattern= the indices would pick each kind's rows, not the "
-      "stack's layers. Pass the pattern the stack was built with as pattern= (the "
-      f"kinds of one period, in layer order); if {prefix!r} is a stack of one block "
-      "whose modules lie so, edit one at a time: take_layers(params, "
-      f"'{prefix}/{scopes[0]}', indices), then '{prefix}/{scopes[1]}', ....")
-
-
-def _check_kinds(picks: list[Optional[int]], layout: Optional[_kinds.Pattern]) -> None:
-  """Refuses an edit that moves a layer to a position of another kind."""
-  if layout is None:
-    return
-  for p, i in enumerate(picks):
-    if i is not None and layout.kind_of(i) != layout.kind_of(p):
-      raise ValueError(
-          f"take_layers: indices[{p}]={i} puts layer {i}, of kind {layout.kind_of(i)!r}, "
-          f"at position {p}, which pattern {layout.kinds} gives kind "
-          f"{layout.kind_of(p)!r}; every position "
-          f"keeps its kind (pattern[p % {layout.period}]): take a layer of that kind, "
-          "or None for a fresh one.")
-
-
-def _check_fresh(picks: list[Optional[int]], fresh: Any, fresh_depth: Optional[int],
-                 prefix: str) -> None:
-  if None in picks and fresh is False:
-    raise ValueError(
-        f"take_layers: indices[{picks.index(None)}] is None, a fresh layer, but no "
-        f"new= was given; pass the params of {prefix!r} at depth {len(picks)} from "
-        "a fresh init.")
-  if fresh is not False and fresh_depth != len(picks):
-    raise ValueError(
-        f"take_layers: new= holds {fresh_depth} layers of {prefix!r}, but indices "
-        f"make {len(picks)}; fresh layer p is layer p of new=, so pass the stack "
-        f"at depth {len(picks)}.")
-
-
-def _check_same(key: str, name: str, got: Any, want: Any, leading: int) -> None:
-  """A leaf of ``new`` must have the old leaf's shape past the Layers axes."""
-  got_sig, want_sig = _checks.signature(got), _checks.signature(want)
-  if got_sig[0][leading:] != want_sig[0][leading:] or got_sig[1] != want_sig[1]:
-    raise ValueError(
-        f"take_layers: new= {key}/{name} is {got_sig[1]}{list(got_sig[0][leading:])} "
-        f"per layer but params' is {want_sig[1]}{list(want_sig[0][leading:])}; new= "
-        "must come from the same model at another depth.")
-
-
-class _Zero:
-  """Which leaves ``zero=`` names; remembers which entries named something."""
-
-  def __init__(self, names: tuple[str, ...]):
-    self.names = names
-    self.used: set[str] = set()
-
-  def __call__(self, rest: str, name: str) -> bool:
-    """Whether the leaf ``name`` of module ``<layer>/<rest>`` is named."""
-    hit = False
-    for entry in self.names:
-      for path in (f"{rest}/{name}", rest):
-        if path == entry or path.endswith("/" + entry):
-          self.used.add(entry)
-          hit = True
-    return hit
-
-  def check_used(self, prefix: str, rests: set[str]) -> None:
-    unused = [e for e in self.names if e not in self.used]
-    if unused:
-      raise ValueError(
-          f"take_layers: zero={unused} names no leaf of a layer of {prefix!r}; its "
-          f"layers hold the modules {sorted(rests)[:8]}. Name a module or leaf by "
-          "the end of its path, e.g. 'attn/proj'.")
-
-
-# ---------------------------------------------------------------------------
 # The two layouts.
 
 
@@ -339,13 +194,13 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
   """Stacked layouts: one gather per leaf from ``[old rows; fresh rows]``."""
   groups = params_lib.layer_groups(inside, prefix, pattern)
   if pattern is None:
-    _check_not_kinds(inside, prefix)
-  _check_range(picks, sum(len(ids) for _, ids in groups.values()), prefix)
+    _depth_checks.check_not_kinds(inside, prefix)
+  _depth_checks.check_range(picks, sum(len(ids) for _, ids in groups.values()), prefix)
   scope_of = lambda i: prefix  # pylint: disable=unnecessary-lambda-assignment
   if pattern is not None:
     kinds = tuple(pattern)    # layer_groups checked it
     layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, len(picks))
-    _check_kinds(picks, layout)
+    _depth_checks.check_kinds(picks, layout)
     scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
   if fresh is not False and pattern is None and set(fresh) != set(inside):
     only = sorted(set(fresh) ^ set(inside))[0]
@@ -354,7 +209,7 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
         f"{'params' if only in fresh else 'new='}; new= must be the same stack at "
         "another depth, in the same layout (pattern= for a mixed-layer stack).")
   fresh_groups = {} if fresh is False else params_lib.layer_groups(fresh, prefix, pattern)
-  _check_fresh(picks, fresh, sum(len(ids) for _, ids in fresh_groups.values()), prefix)
+  _depth_checks.check_fresh(picks, fresh, sum(len(ids) for _, ids in fresh_groups.values()), prefix)
   # A layer's row in its scope's arrays, old and fresh.
   old_row = {int(i): r for _, ids in groups.values() for r, i in enumerate(ids)}
   new_row = {int(i): r for _, ids in fresh_groups.values() for r, i in enumerate(ids)}
@@ -363,7 +218,7 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
   for p, i in enumerate(picks):
     rows.setdefault(scope_of(p), []).append(
         (False, new_row[p]) if i is None else (True, old_row[i]))
-  named = _Zero(zero)
+  named = _depth_checks.Zero(zero)
   out, rests = {}, set()
   for scope, scope_rows in rows.items():
     old = groups.get(scope, ({}, None))[0]
@@ -378,7 +233,7 @@ def _take_stacked(inside: Bundle, prefix: str, picks: list[Optional[int]],
           if new_leaf is None:
             raise ValueError(f"take_layers: new= has no {key}/{name}; new= must come "
                              "from the same model at another depth.")
-          _check_same(key, name, new_leaf, leaf, 1)
+          _depth_checks.check_same(key, name, new_leaf, leaf, 1)
         out[key][name] = _gather(old.get(key, {}).get(name), new_leaf, scope_rows,
                                  named(rest, name))
   if fresh is not False:
@@ -426,10 +281,10 @@ def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
                    pattern: Any, fresh: Any, zero: tuple[str, ...]):
   """The BlockSeq layout: layer ``p`` is the renamed modules of its source layer."""
   layers = _blockseq_layers(inside, prefix)
-  _check_range(picks, len(layers), prefix)
+  _depth_checks.check_range(picks, len(layers), prefix)
   if pattern is not None:
-    kinds = params_lib._kinds_of(pattern)  # pylint: disable=protected-access
-    _check_kinds(picks, _kinds.Pattern(dict.fromkeys(kinds), kinds, len(layers)))
+    kinds = params_lib.kinds_of(pattern)
+    _depth_checks.check_kinds(picks, _kinds.Pattern(dict.fromkeys(kinds), kinds, len(layers)))
   fresh_layers = {}
   if fresh is not False:
     if not _is_blockseq(fresh, prefix):
@@ -437,8 +292,8 @@ def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
                        f"({prefix}/layer_<i>/...) but new= does not; pass new= in "
                        "the same layout.")
     fresh_layers = _blockseq_layers(fresh, prefix)
-  _check_fresh(picks, fresh, len(fresh_layers), prefix)
-  named = _Zero(zero)
+  _depth_checks.check_fresh(picks, fresh, len(fresh_layers), prefix)
+  named = _depth_checks.Zero(zero)
   for layer in fresh_layers.values():   # every entry must name some leaf
     for rest, bundle in layer.items():
       for name in bundle:
@@ -457,7 +312,7 @@ def _take_blockseq(inside: Bundle, prefix: str, picks: list[Optional[int]],
       out[key] = {}
       for name, leaf in bundle.items():
         if old is not None and name in old:
-          _check_same(key, name, leaf, old[name], 0)
+          _depth_checks.check_same(key, name, leaf, old[name], 0)
         out[key][name] = _xp(leaf).zeros_like(leaf) if named(rest.lstrip("/"), name) else leaf
   return out
 

@@ -29,7 +29,7 @@ from stacktools import _kinds
 Bundle = Mapping[str, Mapping[str, Any]]
 
 
-def _under(key: str, prefix: str) -> bool:
+def under(key: str, prefix: str) -> bool:
   return key == prefix or key.startswith(prefix + "/")
 
 
@@ -70,13 +70,13 @@ def unstack_params(params: Bundle, prefix: str, *,
       kinds' counts are not the pattern's.
   """
   _check_prefix(prefix)
-  stacked = {k: v for k, v in params.items() if _under(k, prefix)}
+  stacked = {k: v for k, v in params.items() if under(k, prefix)}
   if not stacked:
     raise ValueError(
         f"unstack_params: no module is named {prefix!r} or lies under it; the "
         f"modules are {sorted(params)}. Pass the Stacked module's full name.")
   _check_not_unstacked(stacked, prefix)
-  out = {k: dict(v) for k, v in params.items() if not _under(k, prefix)}
+  out = {k: dict(v) for k, v in params.items() if not under(k, prefix)}
   with _checks.subject("unstack_params"):
     groups = layer_groups(stacked, prefix, pattern)
   for scope, (modules, layer_ids) in groups.items():
@@ -108,7 +108,7 @@ def layer_groups(stacked: Bundle, prefix: str, pattern: Optional[Sequence[str]]
   return _kind_groups(stacked, prefix, pattern)
 
 
-def _kinds_of(pattern: Any) -> tuple[str, ...]:
+def kinds_of(pattern: Any) -> tuple[str, ...]:
   kinds = tuple(pattern)
   if not kinds or not all(isinstance(k, str) and k for k in kinds):
     raise ValueError(f"{_checks.where()}pattern={pattern!r} must be the stack's pattern, a "
@@ -118,7 +118,7 @@ def _kinds_of(pattern: Any) -> tuple[str, ...]:
 
 def _kind_groups(stacked: Bundle, prefix: str, pattern: Any):
   """``{prefix/kind: (modules, layer ids)}`` of a mixed-layer stack's params."""
-  kinds = _kinds_of(pattern)
+  kinds = kinds_of(pattern)
   modules: dict[str, dict[str, Any]] = {}
   for key, bundle in stacked.items():
     kind = key[len(prefix) + 1:].split("/")[0]
@@ -186,7 +186,7 @@ def stack_params(params: Bundle, prefix: str, *,
     scope_of, ids_of, what = (lambda i: prefix), (lambda i: range(num_layers)), "layer"
   else:
     with _checks.subject("stack_params"):
-      kinds = _kinds_of(pattern)
+      kinds = kinds_of(pattern)
     layout = _kinds.Pattern(dict.fromkeys(kinds), kinds, num_layers)
     scope_of = lambda i: f"{prefix}/{layout.kind_of(i)}"  # pylint: disable=unnecessary-lambda-assignment
     ids_of = lambda i: layout.layer_ids(layout.kind_of(i)).tolist()  # pylint: disable=unnecessary-lambda-assignment
