@@ -6,11 +6,14 @@ Checked against the source of ``stacktools/`` itself (not a picture of it):
 * no function over :data:`MAX_FUNCTION_LINES` lines without a docstring;
 * no circle among the modules' imports;
 * no module imports the package (its ``__init__``) rather than a module;
-* no module uses another module's private (``_name``) attributes.
+* no module uses another module's private (``_name``) attributes;
+* the picture of the house on docs/development/internals.md is the one the
+  imports draw today (``python tests/house_test.py`` prints it).
 """
 
 import ast
 import os
+import sys
 
 import pytest
 
@@ -124,3 +127,43 @@ def test_the_rules_can_fail(tmp_path, monkeypatch):
     test_imports_run_one_way()
   with pytest.raises(AssertionError, match=r"b\._hidden"):
     test_no_module_reaches_into_another_modules_private_names("a")
+
+
+def floors():
+  """``{module: floor}``: a module that imports none of the package's is on
+  floor 1, any other one floor above the highest it imports."""
+  graph = {m: set(_imports(m)[0].values()) - {m} for m in _modules()}
+  floor = {}
+
+  def of(module):
+    if module not in floor:
+      floor[module] = 1 + max((of(d) for d in graph[module]), default=0)
+    return floor[module]
+
+  for module in graph:
+    of(module)
+  return floor, graph
+
+
+def picture():
+  """The house in text: each floor's modules, each with what it imports."""
+  floor, graph = floors()
+  lines = []
+  for level in sorted(set(floor.values()), reverse=True):
+    for module in sorted(m for m in floor if floor[m] == level):
+      imports = ", ".join(sorted(graph[module], key=lambda d: (-floor[d], d)))
+      lines.append(f"{level:>2}  {module:<18}{'-> ' + imports if imports else ''}".rstrip())
+  return "\n".join(lines)
+
+
+def test_the_internals_page_shows_the_house_as_it_is():
+  with open(os.path.join(ROOT, "docs", "development", "internals.md"), encoding="utf-8") as f:
+    page = f.read()
+  assert picture() in page, (
+      "docs/development/internals.md's picture of the house is not the one the "
+      "imports draw: paste the output of `python tests/house_test.py` in its place.\n"
+      + picture())
+
+
+if __name__ == "__main__":
+  sys.stdout.write(picture() + "\n")
