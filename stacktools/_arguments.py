@@ -37,11 +37,23 @@ PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class PerLayer:
-  """An argument to slice along its leading (Layers) axis; see :func:`per_layer`."""
+class Marked:
+  """An argument marked to be given a slice per layer, not whole."""
 
   value: PyTree
   in_place: bool = False
+
+  @classmethod
+  def mark(cls, tree: PyTree, in_place: bool, who: str) -> "Marked":
+    """``tree`` marked as ``cls`` (a marked one kept, ``in_place`` added)."""
+    _checks.check_in_place(in_place, who)
+    if isinstance(tree, cls):
+      return tree if not in_place else cls(tree.value, True)
+    return cls(tree, in_place)
+
+
+class PerLayer(Marked):
+  """An argument to slice along its leading (Layers) axis; see :func:`per_layer`."""
 
 
 def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
@@ -89,10 +101,7 @@ def per_layer(tree: PyTree, *, in_place: bool = False) -> PerLayer:
   Returns:
     A marker that the stack unwraps.
   """
-  _checks.check_in_place(in_place, "st.per_layer")
-  if isinstance(tree, PerLayer):
-    return tree if not in_place else PerLayer(tree.value, True)
-  return PerLayer(tree, in_place)
+  return PerLayer.mark(tree, in_place, "st.per_layer")
 
 
 #: The index of the layer being applied, per stack being run (innermost last).
@@ -133,12 +142,8 @@ def layer_index() -> jax.Array:
   return LAYER_INDICES.innermost()
 
 
-@dataclasses.dataclass(frozen=True)
-class PerKind:
-  """Arguments given per kind; see :func:`per_kind`."""
-
-  value: Mapping[str, PyTree]
-  in_place: bool = False
+class PerKind(Marked):
+  """Arguments given per kind (``value``: ``{kind: tree}``); see :func:`per_kind`."""
 
 
 def per_kind(trees: Mapping[str, PyTree], *, in_place: bool = False) -> PerKind:
@@ -176,10 +181,7 @@ def per_kind(trees: Mapping[str, PyTree], *, in_place: bool = False) -> PerKind:
   Returns:
     A marker that the stack unwraps.
   """
-  _checks.check_in_place(in_place, "st.per_kind")
-  if isinstance(trees, PerKind):
-    return trees if not in_place else PerKind(trees.value, True)
-  return PerKind(trees, in_place)
+  return PerKind.mark(trees, in_place, "st.per_kind")
 
 
 
@@ -236,10 +238,9 @@ class BlockArguments:
   @property
   def broadcast(self) -> dict[str, PyTree]:
     """The arguments every layer gets whole, by key (``arg0``, ``kw_mask``)."""
-    marker = (PerLayer, PerKind)
-    out = {f"arg{i}": a for i, a in enumerate(self._args) if not isinstance(a, marker)}
+    out = {f"arg{i}": a for i, a in enumerate(self._args) if not isinstance(a, Marked)}
     out.update({f"kw_{k}": a for k, a in self._kwargs.items()
-                if not isinstance(a, marker)})
+                if not isinstance(a, Marked)})
     return out
 
   @contextlib.contextmanager
@@ -275,10 +276,9 @@ class BlockArguments:
       view = _in_place.LayerView(whole, row, _in_place.Lineage(arg.label))
       self.views[key] = (view, kind if arg.per_kind else None)
       layer[key] = view
-    marker = (PerLayer, PerKind)
-    args = tuple(layer[f"arg{i}"] if isinstance(a, marker) else a
+    args = tuple(layer[f"arg{i}"] if isinstance(a, Marked) else a
                  for i, a in enumerate(self._args))
-    kwargs = {k: layer[f"kw_{k}"] if isinstance(a, marker) else a
+    kwargs = {k: layer[f"kw_{k}"] if isinstance(a, Marked) else a
               for k, a in self._kwargs.items()}
     return args, kwargs
 

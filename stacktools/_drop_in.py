@@ -18,7 +18,6 @@ from stacktools import _arguments
 from stacktools import _checks
 from stacktools import _kinds
 from stacktools import _layer_step
-from stacktools import _stack_module
 from stacktools import loop_plan
 from stacktools import policy as policy_lib
 from stacktools import stack as stack_lib
@@ -32,7 +31,7 @@ class _LayerStackScope(hk.Module):
       # A plan tells stacks apart by their unique module name.
       remat = loop_plan.AutoRemat(self.module_name)
     with _checks.subject("layer_stack"):
-      return stack_lib.run_stacked({_stack_module.BLOCK: _layer_step.make_inner(block_call, arguments)},
+      return stack_lib.run_stacked({_kinds.ONE_KIND: _layer_step.make_inner(block_call, arguments)},
                          x, arguments, remat=remat, **config)
 
 
@@ -96,7 +95,7 @@ def layer_stack(num_layers: int, with_per_layer_inputs: bool = False,
   if not name:
     name = ("__layer_stack_with_per_layer" if with_per_layer_inputs
             else "__layer_stack_no_per_layer")
-  config = dict(pattern=_kinds.Pattern.uniform(num_layers, _stack_module.BLOCK),
+  config = dict(pattern=_kinds.Pattern.uniform(num_layers),
                 remat=remat, unroll=unroll)
 
   def iterate(f):

@@ -43,6 +43,11 @@ PyTree = Any
 EXAMPLE = "e.g. pattern=('local',) * 5 + ('global',)"
 
 
+#: The kind of every layer of a stack or loop of one block (no ``pattern=``):
+#: its pattern is this one kind, period 1.
+ONE_KIND = "block"
+
+
 class Run(NamedTuple):
   """Consecutive layers of one kind: ``length`` layers from ``start``."""
 
@@ -87,8 +92,10 @@ class Pattern:
     return layout
 
   @classmethod
-  def uniform(cls, num_layers: int, kind: str) -> "Pattern":
-    """The layout of a loop of one kind: period 1, every layer ``kind``."""
+  def uniform(cls, num_layers: int, kind: str = "") -> "Pattern":
+    """The layout of a loop of one kind: period 1, every layer ``kind``
+    (:data:`ONE_KIND` unless named)."""
+    kind = kind or ONE_KIND
     return cls({kind: None}, (kind,), num_layers)
 
   @property

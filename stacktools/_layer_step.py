@@ -11,7 +11,7 @@ Vocabulary, as in the loops:
   block returns ``(x, y)`` and the stack returns every layer's ``y`` stacked
   on a Layers axis;
 * a *kind* is an entry of a mixed-layer stack's pattern; a stack of one
-  block has one kind, ``BLOCK``.
+  block has one kind, ``_kinds.ONE_KIND``.
 
 In pseudo-code, both stacks compute::
 

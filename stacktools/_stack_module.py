@@ -24,12 +24,6 @@ from stacktools import policy as policy_lib
 PyTree = Any
 
 
-# ---------------------------------------------------------------------------
-# The module both stacks are.
-
-#: The kind of every layer of a stack of one block: its pattern is this one
-#: kind, period 1.
-BLOCK = "block"
 
 
 class StackModule(hk.Module):
@@ -93,7 +87,7 @@ class StackModule(hk.Module):
     """Inits and applies every layer; returns ``(x, ys)`` (``ys`` None for a fold).
 
     ``inners`` holds one transform per kind of ``pattern``; a stack of one
-    block has the pattern of one kind, :data:`BLOCK`, period 1.
+    block has the pattern of one kind, ``_kinds.ONE_KIND``, period 1.
 
     Haiku scopes the modules a method creates under ``~<method>``, so an
     override is decorated with ``@StackModule.layer_scope`` to keep the
@@ -110,7 +104,7 @@ class StackModule(hk.Module):
   def _apply(self, x, args, kwargs, *, mode, ends=None):
     owner = type(self).__name__
     with _checks.subject(owner):
-      if isinstance(x, (_arguments.PerLayer, _arguments.PerKind)):
+      if isinstance(x, _arguments.Marked):
         raise TypeError(f"{owner}.{mode}: the carry x cannot be per_layer; only "
                         "the arguments after it can be.")
       arguments = _arguments.BlockArguments(args, kwargs, self.num_layers, self.pattern)
@@ -123,6 +117,6 @@ class StackModule(hk.Module):
       def block_call(x, *a, **k):
         return self.make_block()(x, *a, **k)
 
-      return self.run_layers({BLOCK: _layer_step.make_inner(block_call, arguments)}, x, arguments,
-                             _kinds.Pattern.uniform(self.num_layers, BLOCK), mode,
+      return self.run_layers({_kinds.ONE_KIND: _layer_step.make_inner(block_call, arguments)},
+                             x, arguments, _kinds.Pattern.uniform(self.num_layers), mode,
                              **({} if ends is None else {"ends": ends}))

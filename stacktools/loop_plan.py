@@ -249,7 +249,7 @@ def plan_context(context: PlanContext) -> contextlib.AbstractContextManager[Plan
 Sizes = Callable[[], tuple[float, float, float]]
 
 
-def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = ("layer",),
+def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_kinds.ONE_KIND,),
               period: int = 1, reverse: bool = False, init: bool = False,
               probe: Optional[Callable[[], set[str]]] = None,
               sizes: Optional[Sizes] = None,

@@ -172,12 +172,8 @@ def map(f: Callable[[Any], Y], *,  # pylint: disable=redefined-builtin
 # ---------------------------------------------------------------------------
 # The engine: every loop over layers runs here.
 
-#: The one kind of a loop that has no pattern.
-LAYER = "layer"
-
-
 def _single(length: int) -> _kinds.Pattern:
-  return _kinds.Pattern.uniform(length, LAYER)
+  return _kinds.Pattern.uniform(length)
 
 
 def loop(step: Step, init: PyTree, xs: PyTree, n: int, remat: Any,
@@ -188,10 +184,10 @@ def loop(step: Step, init: PyTree, xs: PyTree, n: int, remat: Any,
   """
   if n == 0:
     return lax.scan(step, init, xs, length=n, reverse=reverse, unroll=unroll)
-  pattern, steps, kind_xs = _single(n), {LAYER: step}, {LAYER: xs}
+  pattern, steps, kind_xs = _single(n), {_kinds.ONE_KIND: step}, {_kinds.ONE_KIND: xs}
   plan = loop_plan.plan_for(steps, init, kind_xs, pattern, remat, reverse=reverse)
   carry, ys = run(steps, init, kind_xs, pattern, plan, unroll=unroll)
-  return carry, ys[LAYER]
+  return carry, ys[_kinds.ONE_KIND]
 
 
 def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],

@@ -304,7 +304,7 @@ def over_layers(tx: optax.GradientTransformation, *,
   frozen = _check_frozen(frozen)
   tx = optax.with_extra_args_support(tx)
 
-  def per_layer(fn, axes):
+  def each_layer(fn, axes):
     for _ in range(axes):
       fn = jax.vmap(fn)
     return fn
@@ -317,7 +317,7 @@ def over_layers(tx: optax.GradientTransformation, *,
 
   def init_fn(params):
     layout, _ = layout_of(params)
-    layers = {k: per_layer(tx.init, g.axes)(layout.part(params, k))
+    layers = {k: each_layer(tx.init, g.axes)(layout.part(params, k))
               for k, g in layout.groups.items()}
     rest = tx.init(layout.part(params, _REST)) if layout.has_rest else None
     return OverLayersState(layers, rest)
@@ -332,7 +332,7 @@ def over_layers(tx: optax.GradientTransformation, *,
     for key, group in layout.groups.items():
       p = None if params is None else layout.part(params, key)
       old = state.layers[key]
-      u, new = per_layer(update, group.axes)(layout.part(updates, key), old, p)
+      u, new = each_layer(update, group.axes)(layout.part(updates, key), old, p)
       factors, flags = rules[key]
       if factors is not None:
         u = jax.tree_util.tree_map(
