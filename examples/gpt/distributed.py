@@ -6,8 +6,9 @@ batch is split over it) and an ``fsdp`` axis (parameters and optimizer state
 are split over it, FSDP-style, by ``st.stacked_partition_specs``, which keeps
 the stacked Layers axis whole), and optionally a ``pipe`` axis: the stages of
 a pipelined stack (``st.Pipeline``), over which that stack's Layers axis is
-split instead. Several processes join through ``jax.distributed``; on CPU
-they talk through gloo.
+split instead (:func:`make_pipeline` makes the pipeline that the flags ask
+for, checked against the mesh). Several processes join through
+``jax.distributed``; on CPU they talk through gloo.
 """
 
 from __future__ import annotations

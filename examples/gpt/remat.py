@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import jax
@@ -25,8 +25,9 @@ from examples.gpt import model as model_lib
 #: The --remat aliases that recompute, so that --save_names can keep something.
 SAVES_NAMES = ("full", "nested", "offload")
 
-#: What a --remat flag becomes: a policy, per-depth segments, or "auto".
-Remat = Union[st.CheckpointPolicy, Any, str]
+#: What a --remat flag becomes: an ``st.CheckpointPolicy``, ``st.per_depth``
+#: segments, or "auto".
+Remat = Any
 
 
 def checkpoint_policy(remat: str, save_names: Optional[Sequence[str]],

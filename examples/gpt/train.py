@@ -130,7 +130,7 @@ _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.",
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0)
 _GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global gradient-norm clip (0: off).", lower_bound=0.0)
 _OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "adamw", ("adamw", "muon"), "adamw: AdamW on every parameter. "
+    "optimizer", "adamw", optimizer_lib.OPTIMIZERS, "adamw: AdamW on every parameter. "
     "muon: Muon (optax.contrib.muon) on each block's weight matrices, one layer "
     "at a time (st.over_layers), and AdamW on the rest (embeddings, head, "
     "norms, biases), as modded-nanoGPT does.")
