@@ -241,14 +241,14 @@ def _validate(names: list[str], check: Callable[..., None]) -> None:
   flags.register_multi_flags_validator(names, validator)
 
 
+# The rules between flags, in the order absl reports them; each lives with the
+# setting it is about. What needs the depth, set_up's trace of the model says.
 flags.register_multi_flags_validator(
     ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
     message="--d_model must be divisible by --num_heads.")
 flags.register_validator(
     "save_names", lambda names: set(names or ()) <= set(model_lib.CHECKPOINT_NAMES),
     message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
-# The remat flag combinations are this binary's; the policy itself is read by
-# stacktools. What needs the depth is checked when set_up traces the model.
 _validate(["remat", "memory_budget", "remat_candidates"], remat_lib.check_remat_flags)
 _validate(["save_names", "remat"], remat_lib.check_save_names)
 flags.register_validator(
