@@ -23,11 +23,11 @@ each measured side by side in this one process, its contenders alternated:
   host link's bandwidth both ways (measured inside a jitted program, as an
   offloading loop moves its carries: see :func:`host_link`), from which the
   time that moving the offloaded bytes out and back takes.
-* ``train``: the example's whole train step (``train.make_train_step``,
+* ``train``: the example's whole train step (``step.make_train_step``,
   AdamW included) at the GPT-2-small shape in bfloat16, with the attention
   ``GPTConfig``'s default picks (the splash kernel on a TPU), at batches 8,
   16 and 32 under each remat of :data:`TRAIN_REMATS`: tokens/s, model TFLOP/s
-  and MFU against the device's peak (``train.PEAK_FLOPS``).
+  and MFU against the device's peak (``metrics.PEAK_FLOPS``).
 
 Sizes are scaled to the device: a batch is halved until its float32 program
 (the unrolled GPT without remat, the decode cache, full's GPT at d=2048)
@@ -77,8 +77,9 @@ from benchmarks import decode
 from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
+from examples.gpt import metrics
 from examples.gpt import model as model_lib
-from examples.gpt import train as train_lib
+from examples.gpt import step as step_lib
 # pylint: enable=wrong-import-position
 
 NAME = "accelerator"
@@ -743,7 +744,7 @@ def train_part(part: dict[str, Any], size: dict[str, Any], args, options,
   ``part``: tokens/s, model TFLOP/s and MFU (where the device's peak is
   known); ``report()`` after each batch."""
   import optax  # pylint: disable=g-import-not-at-top
-  peak = train_lib.peak_flops(jax.devices()[0].device_kind)
+  peak = metrics.peak_flops(jax.devices()[0].device_kind)
   part.update({"size": size, "peak_flops": peak, "runs": []})
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
   # One set of parameters and optimizer state serves every run (none is
@@ -755,12 +756,12 @@ def train_part(part: dict[str, Any], size: dict[str, Any], args, options,
     specs = []
     for label, remat in TRAIN_REMATS:
       cfg = gpt_config(size, "scan", remat, "bfloat16")
-      flops = train_lib.model_flops_per_token(
+      flops = metrics.model_flops_per_token(
           cfg, sum(a.size for a in jax.tree.leaves(params)))
       record = {"label": label, "remat": remat_label(remat), "dtype": "bfloat16",
                 "batch": batch, "attention": "splash" if cfg.uses_splash(size["seq_len"])
                 else "xla", "flops_per_token": flops}
-      specs.append((record, train_lib.make_train_step(train_lib.transform(cfg), optimizer),
+      specs.append((record, step_lib.make_train_step(step_lib.transform(cfg), optimizer),
                     (params, opt_state, tokens), None))
     harness.log(f"train, batch {batch}: compiling {len(specs)}")
     runs = compile_runs(specs, options, args.compile_threads)

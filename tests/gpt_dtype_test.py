@@ -127,11 +127,12 @@ def _train_loop_records(monkeypatch, **flag_values):
   records and the logged lines."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   now, lines = [0.0], []
-  monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
   monkeypatch.setattr(train.logging, "info", lambda fmt, *a: lines.append(fmt % a if a else fmt))
 
   def step(params, opt_state, batch):
@@ -163,8 +164,8 @@ def test_mfu_line_with_a_fake_peak(monkeypatch):
 
 
 def test_no_mfu_where_the_peak_is_unknown(monkeypatch):
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  assert train.peak_flops(jax.devices()[0].device_kind) is None   # a CPU
+  from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
+  assert metrics.peak_flops(jax.devices()[0].device_kind) is None   # a CPU
   (record,), lines = _train_loop_records(monkeypatch)
   assert "mfu" not in record and "model_tflops_per_s" not in record
   (line,) = [l for l in lines if "tokens/s" in l]
@@ -177,8 +178,8 @@ def test_no_mfu_where_the_peak_is_unknown(monkeypatch):
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
     ("TPU v4 lite", None), ("cpu", None), ("NVIDIA GeForce RTX 4090", None)])
 def test_peak_by_device_kind(kind, peak):
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  assert train.peak_flops(kind) == peak
+  from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
+  assert metrics.peak_flops(kind) == peak
 
 
 # ---------------------------------------------------------------------------

@@ -49,6 +49,7 @@ import numpy as np
 import pytest
 
 from examples.gpt import model as model_lib
+from examples.gpt import remat as remat_lib
 import gpt_driver
 import stacktools as st
 from subprocesses import wait
@@ -668,10 +669,9 @@ def residual_shapes(policy) -> list[tuple[int, ...]]:
 
 
 def test_save_names_keeps_the_named_activations(drivers):
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  policy = train.checkpoint_policy("full", ["attn_out", "mlp_hidden"], None)
+  policy = remat_lib.checkpoint_policy("full", ["attn_out", "mlp_hidden"], None)
   assert policy.save_block_internals == ("attn_out", "mlp_hidden")
-  full = residual_shapes(train.checkpoint_policy("full", [], None))
+  full = residual_shapes(remat_lib.checkpoint_policy("full", [], None))
   saved = residual_shapes(policy)
   # One stacked [layers, batch, time, width] array more for each name.
   extra = [s for s in saved if s not in full or saved.count(s) > full.count(s)]
@@ -708,15 +708,14 @@ def gradient_dots(policy) -> int:
 
 
 def test_default_save_names_recompute_no_projection():
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
   # The flag's default keeps the matmul outputs under the aliases that
   # recompute, and nothing more under none and save_all (which keep all).
-  for remat in train.SAVES_NAMES:
-    assert (train.checkpoint_policy(remat, None, None).save_block_internals
+  for remat in remat_lib.SAVES_NAMES:
+    assert (remat_lib.checkpoint_policy(remat, None, None).save_block_internals
             == model_lib.KEPT_MATMUL_OUTPUTS)
-  assert train.checkpoint_policy("none", None, None) == st.REMAT_ALIASES["none"]
-  assert train.checkpoint_policy("save_all", None, None) == st.REMAT_ALIASES["save_all"]
-  assert train.checkpoint_policy("full", [], None) == st.REMAT_ALIASES["full"]
+  assert remat_lib.checkpoint_policy("none", None, None) == st.REMAT_ALIASES["none"]
+  assert remat_lib.checkpoint_policy("save_all", None, None) == st.REMAT_ALIASES["save_all"]
+  assert remat_lib.checkpoint_policy("full", [], None) == st.REMAT_ALIASES["full"]
   # Keeping them, the gradient has one matmul more than without
   # checkpointing: the attention scores, recomputed. (The stack's scan body
   # appears once in the jaxpr, whatever the depth.) Keeping the scores too
@@ -726,12 +725,12 @@ def test_default_save_names_recompute_no_projection():
   # out any one kept name repeats at least one more.
   none = gradient_dots(st.REMAT_ALIASES["none"])
   kept = list(model_lib.KEPT_MATMUL_OUTPUTS)
-  assert gradient_dots(train.checkpoint_policy("full", None, None)) == none + 1
-  assert gradient_dots(train.checkpoint_policy("full", kept + ["attn_scores"], None)) == none
-  assert gradient_dots(train.checkpoint_policy("full", [], None)) == none + 5
+  assert gradient_dots(remat_lib.checkpoint_policy("full", None, None)) == none + 1
+  assert gradient_dots(remat_lib.checkpoint_policy("full", kept + ["attn_scores"], None)) == none
+  assert gradient_dots(remat_lib.checkpoint_policy("full", [], None)) == none + 5
   for left_out in kept:
     names = [n for n in kept if n != left_out]
-    assert gradient_dots(train.checkpoint_policy("full", names, None)) > none + 1, left_out
+    assert gradient_dots(remat_lib.checkpoint_policy("full", names, None)) > none + 1, left_out
 
 
 def test_resume_is_bitwise_identical(drivers):
@@ -838,11 +837,12 @@ def test_logged_tokens_per_s_leaves_out_evaluation_and_checkpoints(monkeypatch):
   from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   now = [0.0]
-  monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
 
   def takes(seconds, result=None):
     now[0] += seconds

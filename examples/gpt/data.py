@@ -123,13 +123,39 @@ class CharDataset:
 
 
 def load_dataset(data_path: Optional[str]) -> CharDataset:
-  """The corpus at ``data_path``, or the standard-library corpus."""
-  if data_path:
+  """The corpus at ``data_path``, or the standard-library corpus.
+
+  Raises:
+    ValueError: one line naming --data_path, for a path that is not a file
+      or a file that is not UTF-8 text.
+  """
+  if data_path is None:
+    return CharDataset.from_text(stdlib_corpus())
+  if not os.path.isfile(data_path):
+    raise ValueError(f"--data_path={data_path!r} does not exist or is not a file; "
+                     "pass a UTF-8 text file, or omit the flag to train on the "
+                     "standard-library corpus.")
+  try:
     with open(data_path, encoding="utf-8") as f:
       text = f.read()
-  else:
-    text = stdlib_corpus()
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--data_path={data_path!r} is not UTF-8 text ({e}).") from None
   return CharDataset.from_text(text)
+
+
+def check_batches(dataset: CharDataset, batch_size: int, seq_len: int) -> None:
+  """Checks that each split holds at least one batch of ``seq_len + 1`` windows.
+
+  Raises:
+    ValueError: one line naming --data_path and the flags of the batch.
+  """
+  need = batch_size * (seq_len + 1)
+  for split, ids in (("training", dataset.train), ("validation", dataset.valid)):
+    if len(ids) < max(need, seq_len + 2):
+      raise ValueError(
+          f"--data_path: the {split} split has {len(ids)} characters, "
+          f"fewer than one batch (--batch_size={batch_size} x (--seq_len="
+          f"{seq_len} + 1) = {need}); use a longer text or smaller flags.")
 
 
 class BatchSampler:
@@ -144,6 +170,10 @@ class BatchSampler:
     self.seq_len = seq_len
     self.rng = np.random.Generator(np.random.PCG64(seed))
     self._offsets = np.arange(seq_len + 1)
+
+  def zeros(self) -> np.ndarray:
+    """A batch of the right shape, all zeros, without advancing the generator."""
+    return np.zeros((self.batch_size, self.seq_len + 1), np.int32)
 
   def next(self) -> np.ndarray:
     starts = self.rng.integers(0, len(self.ids) - self.seq_len - 1, self.batch_size)

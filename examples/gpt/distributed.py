@@ -6,8 +6,9 @@ batch is split over it) and an ``fsdp`` axis (parameters and optimizer state
 are split over it, FSDP-style, by ``st.stacked_partition_specs``, which keeps
 the stacked Layers axis whole), and optionally a ``pipe`` axis: the stages of
 a pipelined stack (``st.Pipeline``), over which that stack's Layers axis is
-split instead. Several processes join through ``jax.distributed``; on CPU
-they talk through gloo.
+split instead (:func:`make_pipeline` makes the pipeline that the flags ask
+for, checked against the mesh). Several processes join through
+``jax.distributed``; on CPU they talk through gloo.
 """
 
 from __future__ import annotations
@@ -71,6 +72,105 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
         f"--mesh={spec!r} has {math.prod(sizes.values())} devices but there are "
         f"{num_devices}; the axis sizes must multiply to the device count.")
   return sizes
+
+
+def check_pipeline_flags(pipeline: str, microbatches: Optional[int],
+                         pipeline_repeats: Optional[int], remat: str) -> None:
+  """Checks what the pipeline flags alone rule out.
+
+  What needs the mesh :func:`make_pipeline` checks, and what needs the
+  depth stacktools says when train.py traces the model.
+
+  Raises:
+    ValueError: one line naming the flags.
+  """
+  if pipeline == "none":
+    given = [name for name, value in (("microbatches", microbatches),
+                                      ("pipeline_repeats", pipeline_repeats))
+             if value is not None]
+    if given:
+      raise ValueError(
+          f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
+          "a --pipeline (e.g. gpipe, circular or interleaved) and a pipe axis in "
+          "--mesh (e.g. --mesh=pipe:4,data:2).")
+    return
+  if remat == "auto":
+    # The planner's candidates include per-depth mixes, which a pipeline
+    # refuses; refused here rather than after compiling the first of them.
+    # (st.plan_remat offers them for a pipelined stack too.)
+    raise ValueError(
+        f"--pipeline={pipeline} runs every stage with one checkpoint policy, which "
+        "--remat=auto does not fix: pass --remat as one policy (e.g. full or nested).")
+
+
+def check_batch_size(batch_size: int, sizes: dict[str, int]) -> None:
+  """Raises SetupError unless the mesh's data axis divides the batch.
+
+  The batch is split over the data axis (:func:`batch_sharding`): each data
+  shard needs the same number of sequences.
+  """
+  if batch_size % sizes["data"]:
+    raise SetupError(f"--batch_size={batch_size} is not divisible by the "
+                     f"mesh's data axis ({sizes['data']}); each data shard needs "
+                     "the same number of sequences.")
+
+
+def make_pipeline(kind: str, sizes: dict[str, int], spec: str, batch_size: int,
+                  microbatches: Optional[int], repeats: Optional[int]
+                  ) -> Optional[st.Pipeline]:
+  """The ``st.Pipeline`` that --pipeline asks for, checked against the mesh.
+
+  Refuses a pipeline without a pipe axis, a pipe axis larger than 1 without a
+  pipeline (it would only replicate the work; refused rather than made a
+  gpipe, so that the schedule and --microbatches are always chosen, never
+  guessed), a batch that the microbatches x data axis do not divide, or what
+  ``st.Pipeline`` refuses. What needs the depth (layers that the stages x
+  repeats do not divide, a circular schedule with fewer microbatches than
+  stages) stacktools says when train.py traces the model.
+
+  Example::
+
+    pipeline = make_pipeline("gpipe", parse_mesh("pipe:4,data:2", 8),
+                             "pipe:4,data:2", 16, None, None)   # 4 microbatches
+
+  Args:
+    kind: --pipeline: a schedule, or "none".
+    sizes: from :func:`parse_mesh`.
+    spec: --mesh as given, for the messages.
+    batch_size: --batch_size.
+    microbatches: --microbatches; None for the pipe axis size.
+    repeats: --pipeline_repeats; None for 1.
+
+  Returns:
+    The pipeline, or ``None`` for --pipeline=none.
+
+  Raises:
+    SetupError: one line naming the flags.
+  """
+  pipe = sizes.get(PIPE)
+  if kind == "none":
+    if pipe is not None and pipe > 1:
+      raise SetupError(f"--mesh={spec!r} has a pipe axis of {pipe}, which only a "
+                       "pipeline uses: pass --pipeline=gpipe or --pipeline=circular (and "
+                       "--microbatches), or leave the pipe axis out of --mesh.")
+    return None
+  if pipe is None:
+    raise SetupError(f"--pipeline={kind} places its stages on a pipe axis, which is "
+                     f"missing from --mesh={spec!r}; add one, e.g. "
+                     "--mesh=pipe:4,data:2 (the sizes multiply to the device count).")
+  try:
+    pipeline = st.Pipeline(axis=PIPE, microbatches=microbatches or pipe,
+                           schedule=kind, repeats=repeats or 1)
+  except (TypeError, ValueError) as e:
+    raise SetupError(str(e)) from None
+  # The batch is split over the data axis, then each shard into
+  # microbatches: this binary's layout, not the stack's.
+  micro, data = pipeline.microbatches, sizes["data"]
+  if batch_size % (micro * data):
+    raise SetupError(f"--batch_size={batch_size} is not divisible by --microbatches "
+                     f"({micro}) x the mesh's data axis ({data}) = {micro * data}; "
+                     "each microbatch of each data shard needs the same number of sequences.")
+  return pipeline
 
 
 def device_count() -> int:

@@ -1,0 +1,129 @@
+"""The functions train.py compiles: the model's loss, the train step, evaluation.
+
+:func:`transform` is the model's loss as Haiku transforms it;
+:func:`make_train_step` is one optimizer update of it. Each runs under the
+run's mesh (``jax.set_mesh``): a pipelined stack reads its pipe axis from it,
+and runs as a plain stack where there is none. :func:`trace_model` traces the
+model once, abstractly, so that what stacktools refuses in it is said before
+anything is compiled; :func:`compile_train_step` compiles the step for the
+run's shardings, the parameters and optimizer state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from examples.gpt import distributed
+from examples.gpt import model as model_lib
+
+
+def transform(cfg: model_lib.GPTConfig) -> hk.Transformed:
+  """The model's loss: ``(params, tokens, training=False) -> (loss, stats)``.
+
+  While ``training``, ``cfg.layer_drop`` skips blocks at random, with a key
+  drawn from the batch itself: a resumed run skips the blocks an
+  uninterrupted one would, with no key to pass or checkpoint.
+
+  Example::
+
+    model = transform(cfg)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    loss, stats = model.apply(params, tokens, training=True)
+  """
+  def loss(tokens, training=False):
+    if not (training and cfg.layer_drop):
+      return model_lib.loss_fn(cfg, tokens)
+    # A hash of the tokens, position-weighted (odd multipliers mod 2^32).
+    weights = jnp.arange(1, 2 * tokens.size, 2, dtype=jnp.uint32).reshape(tokens.shape)
+    digest = jnp.sum(tokens.astype(jnp.uint32) * weights * jnp.uint32(2654435761))
+    with hk.with_rng(jax.random.fold_in(jax.random.PRNGKey(0), digest)):
+      return model_lib.loss_fn(cfg, tokens, training=True)
+
+  return hk.without_apply_rng(hk.transform(loss))
+
+
+def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Array,
+                tokens: np.ndarray) -> Any:
+  """Traces init and loss once, abstractly, under the mesh; returns the
+  parameters' shapes.
+
+  Compiles and allocates nothing; what stacktools refuses in the model's
+  stack raises here (ValueError or TypeError, one line). ``remat="auto"``
+  is traced as "none", the planner's business being the candidates.
+  """
+  if cfg.remat == "auto":
+    cfg = dataclasses.replace(cfg, remat="none")
+  model = transform(cfg)
+  with jax.set_mesh(mesh):   # a pipelined stack checks itself against the mesh
+    shapes = jax.eval_shape(model.init, key, tokens)
+    jax.eval_shape(lambda p, t: model.apply(p, t, training=True), shapes, tokens)
+  return shapes
+
+
+def make_train_step(model: hk.Transformed,
+                    optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+  """``(params, opt_state, tokens) -> (params, opt_state, loss, stats)``.
+
+  Example::
+
+    train_step = jax.jit(make_train_step(transform(cfg), optax.adamw(1e-3)))
+    params, opt_state, loss, stats = train_step(params, opt_state, tokens)
+  """
+
+  def train_step(params, opt_state, tokens):
+    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(
+        params, tokens, training=True)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, stats
+
+  return train_step
+
+
+def compile_train_step(train_step: Callable[..., Any], mesh: jax.sharding.Mesh,
+                       params: Any, opt_state: Any, batch_shape: tuple[int, ...],
+                       shardings: tuple[Any, Any, jax.sharding.NamedSharding]) -> Any:
+  """``train_step`` compiled for the run's mesh and shardings.
+
+  The parameters and optimizer state are donated: the update writes them in
+  place (a checkpoint's save has copied them off the devices). The loss and
+  the stats come back replicated.
+
+  Args:
+    train_step: from :func:`make_train_step`.
+    mesh: the run's mesh, under which the step is traced.
+    params: the parameters (arrays, or their shapes with shardings).
+    opt_state: the optimizer state, the same.
+    batch_shape: the shape of a batch of token ids.
+    shardings: of the parameters, of the optimizer state and of a batch.
+
+  Returns:
+    The compiled step (``.memory_analysis()`` gives its temp memory).
+  """
+  param_shardings, opt_shardings, batch_sharding = shardings
+  replicated = distributed.replicated(mesh)
+  with jax.set_mesh(mesh):
+    return jax.jit(
+        train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        donate_argnums=(0, 1),
+        out_shardings=(param_shardings, opt_shardings, replicated, replicated),
+    ).lower(params, opt_state,
+            jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding)).compile()
+
+
+def make_evaluate(model: hk.Transformed, mesh: jax.sharding.Mesh,
+                  batches: list[jax.Array]) -> Callable[[Any], float]:
+  """``params -> float``: the mean loss over ``batches`` (no layer drop)."""
+  eval_loss = jax.jit(lambda p, t: model.apply(p, t)[0])
+
+  def evaluate(params: Any) -> float:
+    with jax.set_mesh(mesh):   # traced on the first call, as the train step is
+      return float(np.mean([eval_loss(params, b) for b in batches]))
+
+  return evaluate
