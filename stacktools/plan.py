@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import jax
+import numpy as np
+
 from stacktools import _checks
 from stacktools import _plan_cache
 from stacktools import _remat_choose
@@ -95,7 +98,8 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       by the temp memory of that step. Timed runs get copies of them.
 
   Returns:
-    The plan: a context manager, with ``plan.report``.
+    The plan: a context manager, with ``plan.report``. In a run of several
+    processes, every process gets process 0's choice.
 
   Raises:
     ValueError: when no candidate fits: names the smallest temp memory and
@@ -121,7 +125,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       plan = _remembered(cache, key, traced, offload=offload, only=only)
       if plan is not None:
         plan.seconds = time.perf_counter() - start
-        return plan
+        return _process_zeros(plan)
     report = _remat_choose.choose(step_fn, *args, budget=budget, measure=measure,
                                   repeats=repeats, offload=offload, only=only,
                                   traced=traced, donate_argnums=donate_argnums)
@@ -129,8 +133,28 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   labels = dict(report.chosen.plan)
   path = None if cache is None else cache.store(key, {
       "labels": labels, "report": report.to_json()})
-  return RematPlan(_remat_results.choice_of(report, labels), labels, report,
-                   cache_path=path, seconds=time.perf_counter() - start)
+  return _process_zeros(RematPlan(_remat_results.choice_of(report, labels), labels, report,
+                                  cache_path=path, seconds=time.perf_counter() - start))
+
+
+def _process_zeros(plan: RematPlan) -> RematPlan:
+  """Process 0's plan, in every process of a run of several.
+
+  Each process plans (or reads a remembered plan) itself, and timing can call
+  a close race either way; but every process must trace the same program.
+  The candidates come in the same order everywhere (one trace of the same
+  step), so process 0 sends the index of its choice.
+  """
+  if jax.process_count() == 1:
+    return plan
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  plans = [dict(row.plan) for row in plan.report.rows]
+  labels = plans[int(multihost_utils.broadcast_one_to_all(
+      np.int32(plans.index(plan.labels))))]
+  if labels == plan.labels:
+    return plan
+  return RematPlan(_remat_results.choice_of(plan.report, labels), labels, plan.report,
+                   reused=plan.reused, cache_path=plan.cache_path, seconds=plan.seconds)
 
 
 def _remembered(cache: _plan_cache.PlanCache, key: Mapping[str, Any],

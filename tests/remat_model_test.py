@@ -448,3 +448,22 @@ def test_integer_outputs_and_inputs_are_costed():
   np.testing.assert_allclose(got, jax.grad(lambda c: loss(c, "none"))(c), rtol=1e-5)
   full = next(r for r in plan.report.rows if r.plan == {"loop_0": "full"})
   assert full.temp_error == 0 and full.saved_bytes >= 4 * 8 * D * 4
+
+
+def test_every_process_takes_process_zeros_plan(monkeypatch):
+  # Each process plans itself, and a close race may go either way; but all
+  # must trace one program. Process 0's choice (here another candidate than
+  # this process's) is what every process gets.
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  step, args = make_step()
+  mine = st.plan_remat(step, *args, budget="64MiB", measure=False, only=SOME)
+  rows = [dict(r.plan) for r in mine.report.rows]
+  theirs = next(i for i, labels in enumerate(rows) if labels != mine.labels)
+  sent = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: sent.append(int(x)) or np.int32(theirs))
+  plan = st.plan_remat(step, *args, budget="64MiB", measure=False, only=SOME)
+  assert sent == [rows.index(mine.labels)]          # this process's choice, sent
+  assert plan.labels == rows[theirs]                # process 0's, taken
+  assert plan.choice == {"loop_0": plan.report.remats["loop_0"][rows[theirs]["loop_0"]]}

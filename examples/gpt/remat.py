@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import jax
-import numpy as np
 
 import stacktools as st
 from examples.gpt import files
@@ -197,7 +196,8 @@ def plan(train_step: Callable[..., Any], params: Any, opt_state: Any, batch: jax
     flag = (f"--remat_candidates={' '.join(candidates)!r}"
             if "only=" in str(e) else f"--memory_budget={budget}")
     raise ValueError(f"{flag}: {e}") from None
-  ((key, label),) = _chief_labels(remat_plan).items()   # the model has one stack
+  # In a run of several processes, plan_remat gives each process 0's choice.
+  ((key, label),) = remat_plan.labels.items()   # the model has one stack
   chosen = remat_plan.report.remats[key][label]
   _log_plan(remat_plan)
   logging.info("Remat plan: %s (%s=%s).", remat_text(chosen), key, label)
@@ -207,20 +207,6 @@ def plan(train_step: Callable[..., Any], params: Any, opt_state: Any, batch: jax
     files.atomic_write(os.path.join(workdir, "remat_plan.json"),
                        lambda f: f.write(text), mode="w")
   return chosen
-
-
-def _chief_labels(remat_plan: st.RematPlan) -> dict[str, str]:
-  """The plan's labels, process 0's in a run of several processes.
-
-  Each process plans (or reads a remembered plan) itself, and timing can
-  call a close race either way: every process runs the chief's plan.
-  """
-  labels = dict(remat_plan.labels)
-  if jax.process_count() == 1:
-    return labels
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  plans = [dict(r.plan) for r in remat_plan.report.rows]
-  return plans[int(multihost_utils.broadcast_one_to_all(np.int32(plans.index(labels))))]
 
 
 def _log_plan(remat_plan: st.RematPlan) -> None:
