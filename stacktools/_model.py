@@ -21,7 +21,7 @@ its slice of the inputs and their gradient; a per-depth seam copies the
 sliced inputs, and the gradient of a slice is padded to the whole stack one
 leaf at a time. What the step holds besides (the loss, the optimiser, one
 layer's working set) is the same for every candidate: the planner learns it
-from one compiled candidate (see ``report.py``; ``_remat_compile.Plans``
+from one compiled candidate (see ``report.py``; ``_remat_compile.Candidates``
 calibrates every prediction by it).
 
 In pseudo-code::

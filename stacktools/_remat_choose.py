@@ -94,7 +94,7 @@ class _Budget:
   (``_remat_results.MARGIN``: a report's rows are chosen by it too.)
   """
 
-  def __init__(self, plans: _remat_compile.Plans, budget_bytes: int):
+  def __init__(self, plans: _remat_compile.Candidates, budget_bytes: int):
     self.plans = plans
     self.budget_bytes = budget_bytes
     self.edge_checks: list[int] = []   # the plans compiled to settle the edge
@@ -132,7 +132,7 @@ class _Budget:
     return next((i for i in ranked if self.fits(i, timed)), None)
 
 
-def _challenger(plans: _remat_compile.Plans, budget: _Budget,
+def _challenger(plans: _remat_compile.Candidates, budget: _Budget,
                 reference: int) -> Optional[int]:
   """The plan timed against the reference: the fewest FLOPs that fit among
   the one-loop plans with fewer FLOPs than it, else among any such plans."""
@@ -157,7 +157,7 @@ def _fastest(reference: Sequence[float],
   return min(reference), min(challenger), min(max([tie] + spreads), 2 * tie)
 
 
-def _race(plans: _remat_compile.Plans, reference: int, challenger: int,
+def _race(plans: _remat_compile.Candidates, reference: int, challenger: int,
           repeats: int) -> Optional[tuple[int, str]]:
   """Times the two plans, interleaved: the faster and the decision in
   words; None where the device could not run either."""
@@ -199,7 +199,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   check_room(budget, budget_bytes, args)
   if measure:
     _remat_search.check_measurable(args)
-  plans = _remat_compile.Plans(
+  plans = _remat_compile.Candidates(
       step_fn, args, traced or _remat_search.trace(step_fn, *args), offload=offload,
       only=only, donate_argnums=donate_argnums)
   reference = plans.reference()
@@ -224,7 +224,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   return report
 
 
-def _untimed(plans: _remat_compile.Plans, budget_bytes: int, start: float,
+def _untimed(plans: _remat_compile.Candidates, budget_bytes: int, start: float,
              reference: int, challenger: int) -> _remat_results.RematReport:
   """The challenger, by its fewer FLOPs, when either plan could not be timed.
 

@@ -1,4 +1,4 @@
-"""Compiling and timing candidate plans, and the record of both (``Plans``).
+"""Compiling and timing candidate plans, and the record of both (``Candidates``).
 
 A candidate plan is compiled with every auto stack answered by its choice
 (:func:`compile_plan`, under ``_remat_search.Fixed``); a plan too big for
@@ -6,12 +6,12 @@ the device (XLA refuses it, ``RESOURCE_EXHAUSTED``) is recorded as
 :data:`OUT_OF_MEMORY`, not raised (:func:`exhausted`). Executables are timed
 side by side, interleaved (:func:`time_runs`).
 
-:class:`Plans` is the working state of a report or a planning: every joint
+:class:`Candidates` is the working state of a report or a planning: every joint
 plan of a step, predicted once from the trace, then compiled and timed as
 the caller asks; the first program compiled calibrates every prediction (it
 tells what the step holds besides its stacks). ``report.py`` compiles the
 reference or every plan through it; ``_remat_choose.py`` a few; then
-:meth:`Plans.report` freezes it into a ``RematReport``.
+:meth:`Candidates.report` freezes it into a ``RematReport``.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def time_runs(executables: Sequence[Any], args: Sequence[Any], repeats: int,
   return runs
 
 
-class Plans:
+class Candidates:
   """Every joint plan of a step, predicted, and compiled where asked.
 
   The working state of a report: ``report.py`` and the planner

@@ -9,7 +9,7 @@ why, shared with ``st.remat_report(..., budget=...)``.
 
 The :class:`RematPlan` returned answers ``remat="auto"`` while a step is
 traced under it, and is remembered in a cache folder (``cache_dir=`` or
-``$STACKTOOLS_PLAN_CACHE``, ``_plan_cache.py``) under a key of everything it
+``$STACKTOOLS_PLAN_CACHE``, ``_remat_cache.py``) under a key of everything it
 depends on, so the same step and budget plan again in the time of one trace.
 This module is the public entry; it does not import ``report.py``, nor that
 module this one (see its docstring for the layering).
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from stacktools import _checks
-from stacktools import _plan_cache
+from stacktools import _remat_cache
 from stacktools import _remat_choose
 from stacktools import _remat_results
 from stacktools import _remat_search
@@ -115,10 +115,10 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     traced = _remat_search.trace(step_fn, *args)
     if offload is None:
       offload = _remat_search.host_memory_available()
-    cache = _plan_cache.PlanCache.at(cache_dir)
+    cache = _remat_cache.PlanCache.at(cache_dir)
     key = None
     if cache is not None:
-      key = _plan_cache.key(traced.text(), args, {
+      key = _remat_cache.key(traced.text(), args, {
           "budget": budget_bytes, "measure": measure, "offload": offload,
           "only": None if only is None else [only] if isinstance(only, str) else list(only),
           "donate_argnums": list(_remat_search.donated(donate_argnums, len(args)))})
@@ -157,7 +157,7 @@ def _process_zeros(plan: RematPlan) -> RematPlan:
                    reused=plan.reused, cache_path=plan.cache_path, seconds=plan.seconds)
 
 
-def _remembered(cache: _plan_cache.PlanCache, key: Mapping[str, Any],
+def _remembered(cache: _remat_cache.PlanCache, key: Mapping[str, Any],
                 traced: _remat_search.Traced, *, offload: bool,
                 only: Optional[Sequence[str]]) -> Optional[RematPlan]:
   """The plan stored under ``key``, or None (a miss, or a file not usable)."""

@@ -20,7 +20,7 @@ modules import one another in one direction only::
 
   report.py, plan.py
     -> _remat_choose.py    the planner's few compiles and its choice
-    -> _remat_compile.py   compiling and timing plans; Plans, the record
+    -> _remat_compile.py   compiling and timing plans; Candidates, the record
     -> _remat_results.py   ReportRow, RematReport, RematPlan
     -> _remat_search.py    one trace: the stacks, their candidates
 """
@@ -124,7 +124,7 @@ def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
   start = time.perf_counter()
   if measure:
     _remat_search.check_measurable(args)
-  plans = _remat_compile.Plans(step_fn, args, _remat_search.trace(step_fn, *args),
+  plans = _remat_compile.Candidates(step_fn, args, _remat_search.trace(step_fn, *args),
                                offload=offload, only=only, donate_argnums=donate_argnums)
   budget_bytes = None if budget is None else _remat_search.parse_bytes(budget)
   order = [plans.reference()]
