@@ -208,6 +208,19 @@ def test_helpers_spell_the_growth_schemes():
       helper(0, 2)
 
 
+@pytest.mark.parametrize("n, m, want", [
+    (4, 6, [0, 0, 1, 1, 2, 3]),
+    (3, 7, [0, 0, 0, 1, 1, 2, 2]),
+    (2, 3, [0, 0, 1]),
+    (3, 6, [0, 0, 1, 1, 2, 2]),
+])
+def test_repeat_gives_the_lower_layers_the_extra_copies(n, m, want):
+  # repeat(4, 6) once gave copies 2, 1, 2, 1.
+  assert depth.repeat(n, m) == want
+  # Per period, the same: repeat(4, 6) over periods of 2 layers.
+  assert depth.repeat(2 * n, 2 * m, period=2) == [2 * u + j for u in want for j in (0, 1)]
+
+
 # ---------------------------------------------------------------------------
 # Function-preserving growth of the GPT example.
 
@@ -313,6 +326,37 @@ def test_new_from_another_model_is_refused():
   with pytest.raises(ValueError, match=r"new= model/h/block/fc/[wb] is float32\[(4, )?5\] per "
                      r"layer but params' is float32\[(4, )?8\]"):
     st.take_layers(params, "model/h", [0, None], new=other)
+
+
+def _kinds_params(counts):
+  """Stacks under model/h/<kind> (``{kind: layers}``), as a mixed-layer stack lays
+  them out, or as one block with two modules does."""
+  return {f"model/h/{kind}/linear": {"w": np.arange(c * 4.0).reshape(c, 2, 2) + 100 * k}
+          for k, (kind, c) in enumerate(counts.items())}
+
+
+def test_a_mixed_stack_without_its_pattern_is_refused():
+  # Once each kind's rows were picked, as if each kind were the stack.
+  params = _kinds_params({"a": 2, "b": 2})   # pattern ab over 4 layers
+  with pytest.raises(ValueError, match=r"^take_layers: the modules under 'model/h' lie "
+                     r"under \['a', 'b'\], as the kinds of a mixed-layer stack do.*the "
+                     r"indices would pick each kind's rows.*Pass the pattern the stack was "
+                     r"built with as pattern="):
+    st.take_layers(params, "model/h", [0, 1])
+  got = st.take_layers(params, "model/h", [0, 1], pattern="ab")   # layers 0 (a), 1 (b)
+  for kind in ("a", "b"):
+    np.testing.assert_array_equal(got[f"model/h/{kind}/linear"]["w"],
+                                  params[f"model/h/{kind}/linear"]["w"][:1])
+
+
+def test_a_stack_of_one_block_laid_out_like_kinds_edits_one_scope_at_a_time():
+  params = _kinds_params({"attn": 3, "mlp": 3})   # one block with two modules
+  with pytest.raises(ValueError, match=r"edit one at a time: take_layers\(params, "
+                     r"'model/h/attn', indices\), then 'model/h/mlp'"):
+    st.take_layers(params, "model/h", [2, 0])
+  got = st.take_layers(st.take_layers(params, "model/h/attn", [2, 0]), "model/h/mlp", [2, 0])
+  for scope in ("model/h/attn/linear", "model/h/mlp/linear"):
+    np.testing.assert_array_equal(got[scope]["w"], params[scope]["w"][[2, 0]])
 
 
 @pytest.mark.parametrize("layout", ["stacked", "blockseq"])

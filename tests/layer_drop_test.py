@@ -196,6 +196,18 @@ def test_bad_rates_are_named(layer_drop, error, message):
     _model(st.Stacked, layer_drop=layer_drop).init(KEY, X)
 
 
+def test_traced_rates_are_named():
+  # Once it failed with a generic message under jax.jit.
+  params = jax.eval_shape(_model(st.Stacked).init, KEY, X)
+  apply = lambda rates: _model(st.Stacked, layer_drop=rates).apply(params, KEY, X)  # noqa: E731
+  with pytest.raises(TypeError, match=r"^Stacked: layer_drop= was given a traced value "
+                     r"\(an array of shape \(6,\).*the rates are fixed when the stack is "
+                     r"built, so they must be concrete: Python floats or a numpy array"):
+    jax.eval_shape(apply, jnp.asarray(RATES))
+  # Concrete rates, closed over, trace.
+  assert jax.eval_shape(lambda: apply(np.asarray(RATES))).shape == X.shape
+
+
 def test_apply_without_an_rng_is_refused():
   model = _model(st.BlockSeq, layer_drop=0.1)
   params = model.init(KEY, X)

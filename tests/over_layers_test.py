@@ -9,6 +9,7 @@ mixed-layer). Compositions (``optax.chain``, ``optax.masked``,
 without ``over_layers``: Adam is elementwise, so the two agree.
 """
 
+import os
 import subprocess
 import sys
 
@@ -247,6 +248,33 @@ def test_mistakes_are_named_at_init(kwargs, message):
 def test_mistakes_are_named_when_built(kwargs, error, message):
   with pytest.raises(error, match=message):
     st.over_layers(optax.adam(0.1), **kwargs)
+
+
+def _scaled_update(scale):
+  params = {"h/linear": {"w": jnp.ones((4, 2, 2))}}
+  tx = st.over_layers(optax.sgd(1.0), stacked=["h"], scale=scale)
+  return tx.update(params, tx.init(params), params)[0]["h/linear"]["w"][:, 0, 0]
+
+
+def test_scale_returning_an_array_is_named():
+  # Once it failed with JAX's message.
+  with pytest.raises(TypeError, match=r"^over_layers: scale= returned an array of shape "
+                     r"\(4,\) for layer 0 of 'h', not one number: it is called once per "
+                     r"layer.*pass the sequence itself, scale=\[\.\.\.\]"):
+    _scaled_update(lambda i: jnp.full(4, 0.5) ** i)
+  # One number each (a 0-d array too) is fine: the update is -scale(i).
+  np.testing.assert_allclose(_scaled_update(lambda i: jnp.float32(0.5) ** i),
+                             [-1.0, -0.5, -0.25, -0.125])
+
+
+def test_the_docs_say_that_only_a_patterns_counts_are_checked():
+  # A pattern's order is not in the parameters; over_layers once did not say so.
+  said = "not the order of the kinds, so only the counts are checked"
+  assert said in " ".join(st.over_layers.__doc__.split())
+  guide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "docs", "guides", "training-rules.md")
+  with open(guide, encoding="utf-8") as f:
+    assert said in " ".join(f.read().split())
 
 
 def test_a_blockseq_layout_is_refused():

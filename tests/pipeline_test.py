@@ -295,6 +295,51 @@ def test_pipeline_configuration_errors(kwargs, phrase):
   assert phrase in str(info.value)
 
 
+@pytest.mark.parametrize("make,shown", [
+    (lambda: st.Pipeline(microbatches=0), "microbatches must be an integer >= 1, got 0."),
+    (lambda: st.Pipeline(repeats=1.5, schedule="circular"),
+     "repeats must be an integer >= 1, got 1.5."),
+    (lambda: st.Pipeline(axis=""), "got ''."),
+    (lambda: st.Pipeline(axis=3), "got 3."),
+    (lambda: st.Pipeline().table(0), "stages must be an int >= 1, got 0."),
+])
+def test_pipeline_errors_show_the_value(make, shown):
+  # microbatches=0 once said "got a int".
+  with pytest.raises((TypeError, ValueError)) as info:
+    make()
+  assert shown in str(info.value), str(info.value)
+
+
+def _pipelined(axis):
+  return hk.without_apply_rng(hk.transform(lambda x: jnp.sum(st.Stacked(
+      lambda: _block, 4, remat="full", name="h",
+      pipeline=st.Pipeline(axis=axis, microbatches=2)).fold(x) ** 2)))
+
+
+def test_a_pipeline_axis_the_mesh_lacks_is_an_error():
+  # Once it ran as a plain stack, silently.
+  x = jnp.ones((4, 3))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("pipe", "data"))
+  params = _pipelined("pipee").init(jax.random.PRNGKey(0), x)   # no mesh: plain
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"^Stacked: st\.Pipeline\(axis='pipee'\) "
+                       r"names an axis that the mesh in use lacks: its axes are "
+                       r"\['pipe', 'data'\]"):
+      jax.jit(jax.grad(_pipelined("pipee").apply))(params, x)
+    # The right name runs (a pipe axis of size 1 is the plain stack).
+    got = jax.jit(jax.grad(_pipelined("pipe").apply))(params, x)
+  w, b = params["h/linear"]["w"], params["h/linear"]["b"]
+
+  def loop(w, b):
+    y = x
+    for i in range(4):
+      y = y + jnp.tanh(y) @ w[i] + b[i]
+    return jnp.sum(y ** 2)
+  want = jax.grad(loop, (0, 1))(w, b)
+  np.testing.assert_allclose(got["h/linear"]["w"], want[0], rtol=1e-5)
+  np.testing.assert_allclose(got["h/linear"]["b"], want[1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs,phrase", [
     (dict(pattern="AB"), "pattern= cannot be pipelined"),
     (dict(reverse=True), "reverse=True cannot be pipelined"),

@@ -153,6 +153,29 @@ def test_needs_a_mesh_or_a_size():
     st.stacked_partition_specs({"m": {"w": jnp.zeros(4)}})
 
 
+def _two_modules():
+  return {"h/block/linear": {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)},
+          "embed": {"embeddings": jax.ShapeDtypeStruct((16, 8), jnp.float32)}}
+
+
+def test_an_fsdp_axis_the_mesh_lacks_is_an_error():
+  # Once it replicated everything, silently.
+  mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+  with pytest.raises(ValueError, match=r"fsdp_axis='fdsp' is not an axis of the "
+                     r"mesh, whose axes are \['data', 'fsdp'\]"):
+    st.stacked_partition_specs(_two_modules(), mesh, stacked=["h"], fsdp_axis="fdsp")
+  specs = st.stacked_partition_specs(_two_modules(), mesh, stacked=["h"], fsdp_axis="fsdp")
+  assert specs["h/block/linear"]["w"] == P(None, None, "fsdp")
+
+
+def test_a_stack_name_no_parameter_lies_under_is_an_error():
+  # Once it sharded the stack's Layers axis, silently.
+  mesh = AbstractMesh((4,), ("fsdp",))
+  with pytest.raises(ValueError, match=r"stacked=\['hh'\] names 'hh', but no "
+                     r"parameter lies under it.*\['embed', 'h/block/linear'\]"):
+    st.stacked_partition_specs(_two_modules(), mesh, stacked=["hh"])
+
+
 # ---------------------------------------------------------------------------
 # The rule on hand-made trees.
 
