@@ -6,7 +6,9 @@ JAX starts, so they run once, together, in a subprocess
 tests here assert on it. The reference there is the same model's plain stack
 on one device, ``remat="none"``. What needs no devices (the schedule, the
 layouts, partition specs on an abstract mesh, the plain fallback, the
-constructor's checks) runs here.
+constructor's checks) runs here. That 1F1B's temp memory does not grow with
+the microbatches while GPipe's does is checked on the pipeline benchmark's
+quick run (benchmarks_test.py: test_pipeline_quick), which compiles both.
 """
 
 import json
@@ -47,8 +49,13 @@ def cases(tmp_path_factory):
 
 
 def test_every_mesh_schedule_and_microbatch_count_matches_the_plain_stack(cases):
+  # Each schedule on every mesh, with M < P, M = P and M > P, at M = 4 and 8
+  # (pipeline_cases.EQUALITY_RUNS).
   equality = cases["equality"]
-  assert len(equality) == 12
+  assert sorted(equality) == sorted([
+      "pipe:8 gpipe M=4", "pipe:4,data:2 gpipe M=4", "pipe:2,fsdp:2,data:2 gpipe M=8",
+      "pipe:8 circular M=4", "pipe:8 circular M=8", "pipe:4,data:2 circular M=8",
+      "pipe:2,fsdp:2,data:2 circular M=4"])
   for name, case in equality.items():
     if name == "pipe:8 circular M=4":   # 4 microbatches cannot fill 8 stages twice
       assert "at least as many microbatches as stages" in case["error"]
@@ -87,8 +94,10 @@ def test_loss_schedules_match_the_plain_stack(cases, schedule):
   one = cases[schedule]
   folds = [k for k in one if k.startswith("pipe")]
   assert "pipe:4,data:2 M=8 remat=full" in folds   # M > P, a data axis
-  assert {k.split("remat=")[1] for k in folds if k.startswith("pipe:2 ")} == set(
-      st.REMAT_ALIASES)
+  # Every alias under 1f1b's and zb's backward; interleaved's is 1f1b's on
+  # more chunks (pipeline_cases.ALIAS_SWEEPS).
+  assert {k.split("remat=")[1] for k in folds if k.startswith("pipe:2 ")} == (
+      set(st.REMAT_ALIASES) if schedule != "interleaved" else set())
   for name in folds + ["scan", "rng"]:
     case = one[name]
     assert "error" not in case, (name, case)
@@ -100,14 +109,6 @@ def test_loss_schedules_match_the_plain_stack(cases, schedule):
   assert one["rng"]["key_matters"]
   state = one["state"]
   assert state["calls"] == [4] * 8 and state["state_allclose"] and state["loss_allclose"]
-
-
-def test_1f1b_temp_memory_does_not_grow_with_microbatches(cases):
-  # The GPT example's gradient on pipe:4, microbatches of 2 sequences: were
-  # all M microbatches' stage inputs kept (as GPipe does), M=32 would need
-  # over 3x M=4's (benchmarks/pipeline.py measures both).
-  mem = cases["memory"]
-  assert mem["1f1b M=32"] <= 1.25 * mem["1f1b M=4"], mem
 
 
 @pytest.mark.parametrize("schedule,repeats", [("1f1b", 1), ("interleaved", 2),
