@@ -2,16 +2,18 @@
 
 Each script is run with ``--quick`` (tiny sizes, seconds) into a temporary
 results directory, never over the committed ``benchmarks/results``, and its
-JSON is checked for the keys the README section reads and for positive
-numbers. The full runs are not tests: their numbers are timings and memory
-of one machine, committed in ``benchmarks/results``. A quick run given no
-``--results_dir`` writes into a scratch folder, and leaves every tracked
-result as it was; ``accelerator.py`` runs its ``--small`` preset (all four
-parts at CPU sizes).
+JSON is checked for the keys the README and the benchmark pages read and for
+positive numbers. The full runs are not tests: their numbers are timings and
+memory of one machine, committed in ``benchmarks/results``. A quick run given
+no ``--results_dir`` writes into a scratch folder, and leaves every tracked
+result as it was.
 
-Four scripts run in this process (their ``main(argv)``); one runs as a user
-runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
-import matplotlib, which must print one line and write no PNG.
+The scripts run in this process (their ``main(argv)``), but one, which runs
+as a user runs it, ``python benchmarks/init_time.py --quick``, in a
+subprocess that cannot import matplotlib: it must print one line, write no
+PNG, and write into the scratch folder. ``pipeline.py`` starts itself again
+with 8 devices, ``decode.py`` a child under another XLA scheduler, and
+``nanogpt_cpu.py`` runs stand-ins for the two programs it compares.
 """
 
 import ast
@@ -40,6 +42,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import layer_rules  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
+from benchmarks import mixed_layers  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
 from benchmarks import pipeline  # pylint: disable=wrong-import-position
 from benchmarks import remat_plan  # pylint: disable=wrong-import-position
@@ -94,6 +97,21 @@ def test_memory_quick(tmp_path):
   deepest = max(result["config"]["depths"])
   assert by[("stacked", "none", deepest)] > by[("stacked", "full", deepest)]
   assert result["summary"]["gpt"]["order_low_to_high"][-1] == "none"
+
+
+def test_mixed_layers_quick(tmp_path):
+  """benchmarks/mixed_layers.py reports what the README reads."""
+  result = mixed_layers.main(["--quick", "--results_dir", str(tmp_path), "--no_plot"])
+  summary = result["summary"]
+  assert summary["values_and_gradients"]["met"] is True
+  assert summary["values_and_gradients"]["cases"] == 1
+  assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
+  # 6 and 12 layers: one and two whole periods (fewer than 6 would leave the
+  # pattern's global kind without a layer); the full run: 12, 24, 48.
+  assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
+  kv = summary["kv_cache"]
+  assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
+  assert (tmp_path / "mixed_layers.json").exists()
 
 
 def test_compile_time_quick(tmp_path):
@@ -231,7 +249,9 @@ def test_pipeline_quick(tmp_path):
   assert rows["circular"]["collectives"]["all-to-all"]["parameters"] > 0
   assert result["summary"]["all_match_plain"] and result["summary"]["bubble_all_exact"]
   assert {r["schedule"] for r in bubble} == {"gpipe", "1f1b", "circular", "interleaved", "zb"}
-  # The GPT example against M: 1f1b's temp memory stays, GPipe's grows.
+  # The GPT example against M: 1f1b's temp memory stays, GPipe's grows (the
+  # suite's check of 1f1b's memory: were all M microbatches' stage inputs
+  # kept, as GPipe keeps them, 1f1b's would grow as GPipe's does).
   example = result["against_m"]
   assert {(r["schedule"], r["microbatches"]) for r in example["rows"]} == {
       (s, m) for s in ("gpipe", "1f1b") for m in (4, 8)}
@@ -309,15 +329,16 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert "**2.00x**" in result["markdown"]
 
 
-def test_accelerator_small(tmp_path):
-  # The --small preset, every part, fewer rounds than its default.
-  payload = accelerator.main(["--small", "--rounds", "2", "--steps", "1", "--calls", "2",
-                              "--results_dir", str(tmp_path)])
+def test_accelerator_quick(tmp_path):
+  # Every part, at the --quick preset's sizes (--small's are the same code at
+  # larger sizes).
+  payload = accelerator.main(["--quick", "--results_dir", str(tmp_path)])
   name = accelerator.result_name()
   assert name == f"accelerator_{accelerator.device_slug()}"
   result = json.loads((tmp_path / f"{name}.json").read_text())
   assert COMMON_KEYS <= set(result) and result["benchmark"] == payload["benchmark"] == name
-  assert result["preset"] == "small" and result["quick"] is False
+  assert result["preset"] == "quick" and result["quick"] is True
+  sizes = accelerator.SIZES["quick"]
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
     assert (tmp_path / f"{name}.png").stat().st_size > 0
@@ -330,7 +351,7 @@ def test_accelerator_small(tmp_path):
   for run in runs.values():
     for key in ("step_s", "temp_bytes", "compile_s"):
       assert _positive_number(run[key]), (key, run)
-    assert len(run["step_s_rounds"]) == 2
+    assert len(run["step_s_rounds"]) == result["config"]["rounds"] == 2
   for key, ratios in result["summary"]["gpt"].items():
     assert all(_positive_number(v) for v in ratios.values()), (key, ratios)
   # What the scanned stack without remat keeps is below what save_all keeps.
@@ -340,8 +361,9 @@ def test_accelerator_small(tmp_path):
   # Decode: each contender and the floor at each point; in place and sliced
   # decode the same logits.
   rows = result["decode"]["rows"]
-  assert [(r["batch"], r["dtype"]) for r in rows] == [
-      (4, "float32"), (1, "float32"), (4, "bfloat16")]
+  assert [(r["batch"], r["dtype"]) for r in rows] == list(sizes["decode"]["points"])
+  assert [r["dtype"] for r in rows] == ["float32", "float32", "bfloat16"]
+  assert rows[0]["batch"] == rows[2]["batch"]
   for row in rows:
     assert not row["out_of_memory"], row
     for contender in ("floor",) + accelerator.DECODED:
@@ -437,18 +459,14 @@ def _results_snapshot():
   return git("status", "--porcelain", "--", "benchmarks/results"), sorted(os.listdir(results)), files
 
 
-def test_a_quick_run_leaves_the_published_results_alone(tmp_path, monkeypatch):
-  if shutil.which("git") is None or subprocess.run(
+def _in_a_git_work_tree():
+  return shutil.which("git") is not None and subprocess.run(
       ["git", "rev-parse", "--is-inside-work-tree"], cwd=REPO_ROOT, capture_output=True,
-      check=False).returncode != 0:
-    pytest.skip("not a git work tree (git status is what this test compares)")
-  scratch = tmp_path / "scratch"
-  monkeypatch.setattr(harness, "SCRATCH_RESULTS_DIR", scratch)
-  before = _results_snapshot()
-  init_time.main(["--quick"])   # no --results_dir
-  assert _results_snapshot() == before
-  assert json.loads((scratch / "quick" / f"{init_time.NAME}.json").read_text())["quick"]
-  # Every script writes through the harness, which chooses that folder.
+      check=False).returncode == 0
+
+
+def test_every_script_writes_through_the_harness():
+  # The harness chooses the folder (a scratch one for a preset) and writes.
   for script in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
     text = script.read_text()
     if "def main(" not in text or script.name == "nanogpt_prep.py":
@@ -458,22 +476,33 @@ def test_a_quick_run_leaves_the_published_results_alone(tmp_path, monkeypatch):
       assert writer not in text.replace("harness.write_json(", ""), (script.name, writer)
 
 
-def test_init_time_as_a_script_without_matplotlib(tmp_path):
+def test_init_time_as_a_script_without_matplotlib_leaves_the_published_results_alone(
+    tmp_path):
+  """``python benchmarks/init_time.py --quick``, as a user runs it, where
+  matplotlib cannot be imported: one line says so, no PNG; and with no
+  --results_dir it writes into the scratch folder, leaving every published
+  result as it was (git status, the folder's listing, each file's hash and
+  modification time)."""
   # A stand-in matplotlib that fails to import, ahead of any installed one.
   shadow = tmp_path / "shadow" / "matplotlib"
   shadow.mkdir(parents=True)
   (shadow / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
-  results = tmp_path / "results"
-  env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+  temp = tmp_path / "tmp"   # the scratch folder is <tmp>/stacktools-benchmarks/quick
+  temp.mkdir()
+  env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"), TMPDIR=str(temp))
+  git = _in_a_git_work_tree()
+  before = _results_snapshot() if git else None
   done = subprocess.run(
-      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick",
-       "--results_dir", str(results)],
+      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick"],
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
+  if git:   # without git there is no status to compare
+    assert _results_snapshot() == before
   assert harness.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
+  results = temp / "stacktools-benchmarks" / "quick"
   assert not (results / f"{init_time.NAME}.png").exists()
   result = json.loads((results / f"{init_time.NAME}.json").read_text())
-  assert COMMON_KEYS <= set(result)
+  assert COMMON_KEYS <= set(result) and result["quick"]
   assert {r["impl"] for r in result["measurements"]} == {"stacked", "hk_layer_stack"}
   for row in result["measurements"]:
     for key in ("trace_s", "compile_s", "run_s", "total_s", "cpu_total_s"):

@@ -442,19 +442,3 @@ def test_stack_params_with_another_pattern_suggests_the_pattern():
     st.stack_params(unstacked, "h", pattern="ABB")
   restacked = st.stack_params(unstacked, "h", pattern="AAB")
   jax.tree.map(np.testing.assert_array_equal, restacked, params)
-
-
-def test_benchmark_script_quick(tmp_path):
-  """benchmarks/mixed_layers.py runs (--quick) and reports what the README reads."""
-  from benchmarks import mixed_layers  # pylint: disable=g-import-not-at-top
-  result = mixed_layers.main(["--quick", "--results_dir", str(tmp_path), "--no_plot"])
-  summary = result["summary"]
-  assert summary["values_and_gradients"]["met"] is True
-  assert summary["values_and_gradients"]["cases"] == 1
-  assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
-  # 6 and 12 layers: one and two whole periods (fewer than 6 would leave the
-  # pattern's global kind without a layer); the full run: 12, 24, 48.
-  assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
-  kv = summary["kv_cache"]
-  assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
-  assert (tmp_path / "mixed_layers.json").exists()
