@@ -293,6 +293,7 @@ with open(os.path.join(flags["workdir"], "metrics.jsonl"), "w") as f:
 """
 
 
+@pytest.mark.jax_independent
 def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   nanogpt = tmp_path / "nanoGPT"
   (nanogpt / "config").mkdir(parents=True)
@@ -465,6 +466,7 @@ def _in_a_git_work_tree():
       check=False).returncode == 0
 
 
+@pytest.mark.jax_independent
 def test_every_script_writes_through_the_harness():
   # The harness chooses the folder (a scratch one for a preset) and writes.
   for script in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
@@ -510,6 +512,7 @@ def test_init_time_as_a_script_without_matplotlib_leaves_the_published_results_a
   assert all(_positive_number(v) for v in result["summary"]["hk_over_stacked"].values())
 
 
+@pytest.mark.jax_independent
 def test_flags_reject_bad_lists():
   with pytest.raises(SystemExit):
     memory.build_parser().parse_args(["--policies", "full,bogus"])
@@ -532,6 +535,7 @@ def _benchmark_imports(module_name):
   return names
 
 
+@pytest.mark.jax_independent
 def test_shared_modules_import_one_way():
   # The measuring and publishing modules know nothing of what they measure.
   assert _benchmark_imports("harness") == set()

@@ -200,6 +200,7 @@ def test_numpy_in_numpy_out_and_traceable():
   assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, got)
 
 
+@pytest.mark.jax_independent
 def test_helpers_spell_the_growth_schemes():
   assert depth.repeat(2, 4) == [0, 0, 1, 1]
   assert depth.repeat(2, 3) == [0, 0, 1]
@@ -220,6 +221,7 @@ def test_helpers_spell_the_growth_schemes():
       helper(0, 2)
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("n, m, want", [
     (4, 6, [0, 0, 1, 1, 2, 3]),
     (3, 7, [0, 0, 0, 1, 1, 2, 2]),

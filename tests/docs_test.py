@@ -76,12 +76,14 @@ def test_the_docstring_examples_run(on_devices):
   doc_examples.COUNTS["docstring blocks"] += ran
 
 
+@pytest.mark.jax_independent
 def test_fragments_are_few_and_say_why():
   fragments = [b for p in _pages() for b in doc_examples.markdown_blocks(p) if b.fragment]
   assert len(fragments) <= MAX_FRAGMENTS, [(_rel(b.path), b.line) for b in fragments]
   assert all(len(b.fragment.split()) >= 3 for b in fragments), fragments
 
 
+@pytest.mark.jax_independent
 def test_the_collector_finds_fences_fragments_and_docstring_examples(tmp_path):
   page = tmp_path / "page.md"
   page.write_text("Text.\n\n```python\nx = 1\n```\n\n<!-- fragment: needs a real cluster -->\n"
@@ -121,6 +123,7 @@ def test_a_broken_docstring_example_in_a_copy_of_a_module_fails(tmp_path):
     doc_examples.run_docstrings(str(copy), vars(stacktools.policy))
 
 
+@pytest.mark.jax_independent
 def test_the_readme_is_a_short_front_door():
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
     lines = f.read().splitlines()
@@ -130,6 +133,7 @@ def test_the_readme_is_a_short_front_door():
   assert lines[4].startswith("pip install -e '.[test]' && python -m pytest -q tests")
 
 
+@pytest.mark.jax_independent
 def test_every_public_name_has_one_api_entry():
   entries = {}
   for path in glob.glob(os.path.join(DOCS, "api", "*.md")):
@@ -154,6 +158,7 @@ def _literal_parts(node):
   return []
 
 
+@pytest.mark.jax_independent
 def test_every_error_the_library_raises_is_on_the_troubleshooting_page():
   with open(os.path.join(DOCS, "guides", "troubleshooting.md"), encoding="utf-8") as f:
     page = f.read()
@@ -183,6 +188,7 @@ def _page_of(name):
   return os.path.join(DOCS, "benchmarks", f"{name}.md")
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("name", sorted(
     os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))))
 def test_each_benchmark_page_states_its_run(name):

@@ -13,8 +13,12 @@ is shown to pass the flag checks by stopping at the next check (a missing
 
 import json
 
+import pytest
+
 import gpt_driver
 from subprocesses import wait
+
+pytestmark = pytest.mark.jax_independent   # see pytest.ini
 
 #: (flags, what the one line must say); None: the flags pass their checks.
 CLI_CASES = {

@@ -283,6 +283,7 @@ def test_scale_returning_an_array_is_named():
                              [-1.0, -0.5, -0.25, -0.125])
 
 
+@pytest.mark.jax_independent
 def test_the_docs_say_that_only_a_patterns_counts_are_checked():
   # A pattern's order is not in the parameters; over_layers once did not say so.
   said = "not the order of the kinds, so only the counts are checked"

@@ -111,6 +111,7 @@ def test_loss_schedules_match_the_plain_stack(cases, schedule):
   assert state["calls"] == [4] * 8 and state["state_allclose"] and state["loss_allclose"]
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("schedule,repeats", [("1f1b", 1), ("interleaved", 2),
                                                ("interleaved", 3), ("zb", 1)])
 @pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4), (4, 8), (8, 8), (4, 32), (3, 9)])
@@ -205,6 +206,7 @@ def test_mistakes_get_a_clear_error(cases, case, phrases):
 # No devices needed.
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("stages,micro,repeats", [
     (2, 1, 1), (4, 8, 1), (8, 4, 1), (4, 8, 2), (2, 16, 4), (8, 8, 2)])
 def test_schedule_bubble_and_every_microbatch_visits_every_chunk_once(stages, micro, repeats):
@@ -282,6 +284,7 @@ def test_nested_stack_pipelines_its_own_layers_axis():
   assert specs["outer/inner/linear"]["w"] == P(None, "pipe", None)
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("kwargs,phrase", [
     (dict(microbatches=0), "microbatches must be an integer >= 1"),
     (dict(schedule="zb-h2"), "not one of ['gpipe', 'circular', '1f1b', 'interleaved', 'zb']"),
@@ -296,6 +299,7 @@ def test_pipeline_configuration_errors(kwargs, phrase):
   assert phrase in str(info.value)
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("make,shown", [
     (lambda: st.Pipeline(microbatches=0), "microbatches must be an integer >= 1, got 0."),
     (lambda: st.Pipeline(repeats=1.5, schedule="circular"),
