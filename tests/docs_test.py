@@ -20,6 +20,7 @@ import shutil
 
 import pytest
 
+import background
 import doc_examples
 import stacktools
 
@@ -44,9 +45,14 @@ PAGES_WITH_CODE = [p for p in _pages() if doc_examples.markdown_blocks(p)]
 @pytest.fixture(scope="module")
 def on_devices():
   """The pages that build meshes and the docstring examples, run in one
-  subprocess with 8 virtual devices: {item: blocks run, or the traceback}."""
-  items = [p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)]
-  return doc_examples.run_on_devices(items + [doc_examples.DOCSTRINGS])
+  subprocess with 8 virtual devices: {item: blocks run, or the traceback}.
+
+  The subprocess starts when the tests are collected (tests/background.py).
+  """
+  assert doc_examples.device_items() == [
+      p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)] + [doc_examples.DOCSTRINGS]
+  job = background.result("docs_on_devices")
+  return doc_examples.on_devices_results(job.returncode, job.stdout, job.stderr)
 
 
 def _ran(on_devices, item):

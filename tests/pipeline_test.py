@@ -2,8 +2,9 @@
 
 The multi-device cases need 8 virtual CPU devices, which must be set before
 JAX starts, so they run once, together, in a subprocess
-(tests/pipeline_cases.py) that writes every difference to a JSON file; the
-tests here assert on it. The reference there is the same model's plain stack
+(tests/pipeline_cases.py, started as soon as the tests are collected: see
+tests/background.py) that writes every difference to a JSON file; the tests
+here assert on it. The reference there is the same model's plain stack
 on one device, ``remat="none"``. What needs no devices (the schedule, the
 layouts, partition specs on an abstract mesh, the plain fallback, the
 constructor's checks) runs here. That 1F1B's temp memory does not grow with
@@ -12,10 +13,6 @@ quick run (benchmarks_test.py: test_pipeline_quick), which compiles both.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import haiku as hk
 import jax
@@ -28,17 +25,15 @@ from jax.sharding import PartitionSpec as P
 import stacktools as st
 from stacktools import _stages
 
-ROOT = Path(__file__).resolve().parents[1]
+import background
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-  out = tmp_path_factory.mktemp("pipeline") / "cases.json"
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
-  subprocess.run([sys.executable, str(ROOT / "tests" / "pipeline_cases.py"), str(out)],
-                 check=True, env=env, cwd=ROOT, timeout=1200)
-  results = json.loads(out.read_text())
+def cases():
+  """What tests/pipeline_cases.py wrote; it starts when the tests are
+  collected (tests/background.py)."""
+  job = background.result("pipeline_cases").check()
+  results = json.loads((job.folder / "cases.json").read_text())
   for name, value in results.items():
     assert "crashed" not in value, f"{name} crashed:\n{value['crashed']}"
   return results
