@@ -1,29 +1,31 @@
 """The test run's slow subprocesses, started as soon as the tests are collected.
 
-The suite runs in one process, which compiles on one core at a time. A few
-tests check what a subprocess of their own computes, and that subprocess
-depends on nothing the other tests do:
+The suite runs in one process, which compiles on one core at a time. Some
+tests check what a subprocess of theirs computes, which depends on nothing
+the other tests do:
 
 * ``pipeline_cases``: tests/pipeline_cases.py on 8 virtual devices
   (tests/pipeline_test.py);
 * ``docs_on_devices``: the doc examples that build meshes, and the
   docstring examples (tests/docs_test.py);
-* ``pipeline_benchmark``: ``benchmarks/pipeline.py --quick``, which needs 8
-  devices too (tests/benchmarks_test.py).
+* ``benchmarks_quick``: each benchmark's ``main(["--quick", ...])``, in turn,
+  in one process (tests/benchmarks_test.py).
 
-``tests/conftest.py`` starts the ones that the selected tests need when the
-run's tests are known, one after the other in a thread of this process, so
-they run on the other core while the tests before theirs run here; a test's
-fixture then waits for its job (:func:`result`). What each computes and
-checks is as before: only when it runs changes. A fixture whose job was not
-started (no collection, as when a test is called directly) runs it there
-and then.
+``tests/conftest.py`` starts those that the selected tests need once the
+tests are collected, one after the other in a thread of this process, and
+runs the modules that wait for them last: the jobs run on the other core
+while the other tests run here, and a test's fixture then collects its
+job's result (:func:`result`). What each computes and what the tests check
+of it is as before; only when and where it runs changes. A job that was not
+started (a test called without a collection) runs when its result is asked
+for.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -67,38 +69,80 @@ def _python_env(**extra: str) -> dict[str, str]:
   return env
 
 
-def _pipeline_cases(folder: Path) -> tuple[list[str], dict[str, str]]:
+def _pipeline_cases(folder: Path, items=()) -> tuple[list[str], dict[str, str]]:
+  del items
   return ([sys.executable, str(ROOT / "tests" / "pipeline_cases.py"),
            str(folder / "cases.json")], _python_env())
 
 
-def _docs_on_devices(folder: Path) -> tuple[list[str], dict[str, str]]:
-  del folder   # the results come on stdout
+def _docs_on_devices(folder: Path, items=()) -> tuple[list[str], dict[str, str]]:
+  del folder, items   # the results come on stdout
   return doc_examples.on_devices_command(doc_examples.device_items())
 
 
-#: benchmarks/pipeline.py's main() called, as a test called it, from a process
-#: whose JAX has 1 device: main() runs the script again with 8 and returns
-#: what that wrote, whose name this prints.
-_PIPELINE_BENCHMARK = """
-import json, sys
-import jax
-from benchmarks import pipeline
-assert jax.device_count() < pipeline.NUM_DEVICES, jax.device_count()
-payload = pipeline.main(["--quick", "--results_dir", sys.argv[1]])
-print(json.dumps({"benchmark": payload["benchmark"]}))
+#: The benchmarks whose quick runs tests/benchmarks_test.py checks
+#: (``test_<name>_quick``), and the flags each is given besides ``--quick
+#: --results_dir``.
+BENCHMARKS = {"memory": (), "mixed_layers": ("--no_plot",), "compile_time": (),
+              "step_time": (), "layer_rules": (), "depth_edits": (), "remat_plan": (),
+              "pipeline": (), "accelerator": (), "decode": ()}
+#: Marks the line that says what a benchmark's main() gave back.
+DONE = "stacktools-benchmark-done: "
+#: Calls each benchmark's main(["--quick", "--results_dir", FOLDER/<name>, ...])
+#: in turn, in this one process, as the tests once did in theirs: a process
+#: whose JAX has 1 device, so pipeline.py's main() starts the script again
+#: with its 8. After each, one line: DONE and what main() returned (its
+#: "benchmark"), or the error's traceback.
+_BENCHMARKS_QUICK = f"""
+import importlib, json, os, sys, traceback
+folder, names = sys.argv[1], sys.argv[2:]
+for name in names:
+  extra = json.loads(os.environ["STACKTOOLS_BENCHMARK_FLAGS"])[name]
+  os.makedirs(os.path.join(folder, name))
+  try:
+    payload = importlib.import_module("benchmarks." + name).main(
+        ["--quick", "--results_dir", os.path.join(folder, name)] + extra)
+    done = {{"name": name, "benchmark": payload["benchmark"]}}
+  except Exception:
+    done = {{"name": name, "error": traceback.format_exc()[-4000:]}}
+  print({DONE!r} + json.dumps(done), flush=True)
 """
 
 
-def _pipeline_benchmark(folder: Path) -> tuple[list[str], dict[str, str]]:
-  return [sys.executable, "-c", _PIPELINE_BENCHMARK, str(folder)], _python_env()
+def _benchmarks_quick(folder: Path, items=()) -> tuple[list[str], dict[str, str]]:
+  selected = {_benchmark_of(item) for item in items}
+  names = [n for n in BENCHMARKS if n in selected] or list(BENCHMARKS)
+  flags = json.dumps({n: list(f) for n, f in BENCHMARKS.items()})
+  return ([sys.executable, "-c", _BENCHMARKS_QUICK, str(folder), *names],
+          _python_env(STACKTOOLS_BENCHMARK_FLAGS=flags))
 
 
-#: name -> what to run, given the job's folder: ``(argv, env)``.
-COMMANDS: dict[str, Callable[[Path], tuple[list[str], dict[str, str]]]] = {
+def benchmark_outcome(job: Job, name: str) -> dict:
+  """What benchmark ``name``'s main() gave back in ``job`` (its "benchmark", or
+  its "error"), and the folder it wrote into."""
+  job.check()
+  for line in job.stdout.splitlines():
+    if line.startswith(DONE):
+      done = json.loads(line[len(DONE):])
+      if done["name"] == name:
+        return dict(done, folder=job.folder / name)
+  raise AssertionError(f"benchmarks/{name}.py did not run:\n{job.stdout[-2000:]}")
+
+
+def _benchmark_of(item) -> Optional[str]:
+  test = getattr(item, "originalname", "") or ""
+  if item.path.name == "benchmarks_test.py" and test.startswith("test_") and \
+      test.endswith("_quick") and test[len("test_"):-len("_quick")] in BENCHMARKS:
+    return test[len("test_"):-len("_quick")]
+  return None
+
+
+#: name -> what to run, given the job's folder and the selected tests:
+#: ``(argv, env)``.
+COMMANDS: dict[str, Callable[..., tuple[list[str], dict[str, str]]]] = {
     "pipeline_cases": _pipeline_cases,
     "docs_on_devices": _docs_on_devices,
-    "pipeline_benchmark": _pipeline_benchmark,
+    "benchmarks_quick": _benchmarks_quick,
 }
 
 
@@ -113,9 +157,18 @@ def needs(item) -> Optional[str]:
     if test == "test_the_docstring_examples_run" or (
         test == "test_the_examples_of_a_page_run" and page and doc_examples.page_devices(page)):
       return "docs_on_devices"
-  if name == "benchmarks_test.py" and test == "test_pipeline_quick":
-    return "pipeline_benchmark"
+  if _benchmark_of(item):
+    return "benchmarks_quick"
   return None
+
+
+def order(items) -> None:
+  """Sorts ``items`` in place: tests/haiku_layer_stack_test.py first (see
+  tests/conftest.py), the modules that wait for a job last, the rest in
+  between, each module's tests in their order."""
+  waits = {item.path for item in items if needs(item)}
+  items.sort(key=lambda item: (0 if item.path.name == "haiku_layer_stack_test.py"
+                               else 2 if item.path in waits else 1))
 
 
 _JOBS: dict[str, Job] = {}
@@ -125,8 +178,8 @@ _WORKER: Optional[threading.Thread] = None
 _FOLDER: Optional[Path] = None
 
 
-def _job(name: str) -> Job:
-  """The job ``name``, made (not run) on first use."""
+def _job(name: str, items=()) -> Job:
+  """The job ``name`` for the selected tests ``items``, made (not run) on first use."""
   global _FOLDER
   with _LOCK:
     if name not in _JOBS:
@@ -135,7 +188,7 @@ def _job(name: str) -> Job:
         atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
       folder = _FOLDER / name
       folder.mkdir()
-      argv, env = COMMANDS[name](folder)
+      argv, env = COMMANDS[name](folder, items)
       _JOBS[name] = Job(argv, env, folder)
     return _JOBS[name]
 
@@ -146,7 +199,7 @@ def start(items) -> None:
   names = list(dict.fromkeys(filter(None, map(needs, items))))
   if not names:
     return
-  jobs = [_job(n) for n in names]
+  jobs = [_job(n, items) for n in names]
   _WORKER = threading.Thread(target=lambda: [_run(j) for j in jobs if not _STOPPED.is_set()],
                              name="stacktools-test-jobs", daemon=True)
   _WORKER.start()

@@ -1,21 +1,22 @@
 """Smoke tests for benchmarks/: every script runs in --quick mode, so none rots.
 
-Each script is run with ``--quick`` (tiny sizes, seconds) into a temporary
-results directory, never over the committed ``benchmarks/results``, and its
-JSON is checked for the keys the README and the benchmark pages read and for
-positive numbers. The full runs are not tests: their numbers are timings and
-memory of one machine, committed in ``benchmarks/results``. A quick run given
-no ``--results_dir`` writes into a scratch folder, and leaves every tracked
-result as it was.
+Each script's ``main(["--quick", "--results_dir", folder])`` runs (tiny
+sizes, seconds) into a temporary results directory, never over the committed
+``benchmarks/results``, and its JSON is checked for the keys the README and
+the benchmark pages read and for positive numbers. The full runs are not
+tests: their numbers are timings and memory of one machine, committed in
+``benchmarks/results``. A quick run given no ``--results_dir`` writes into a
+scratch folder, and leaves every tracked result as it was.
 
-The scripts run in this process (their ``main(argv)``), but one, which runs
-as a user runs it, ``python benchmarks/init_time.py --quick``, in a
-subprocess that cannot import matplotlib: it must print one line, write no
-PNG, and write into the scratch folder. ``pipeline.py``'s main() starts the
-script again with 8 devices; it is called in a process of its own, started
-as soon as the tests are collected (tests/background.py). ``decode.py``
-starts a child under another XLA scheduler, and ``nanogpt_cpu.py`` runs
-stand-ins for the two programs it compares.
+The quick runs happen one after the other in one process of their own,
+started as soon as the tests are collected (tests/background.py), whose JAX
+has one device as this one's has: ``pipeline.py``'s main() starts the script
+again with 8, ``decode.py``'s a child under another XLA scheduler, as they
+did here. ``init_time.py`` also runs as a user runs it, ``python
+benchmarks/init_time.py --quick``, in a subprocess that cannot import
+matplotlib: it must print one line, write no PNG, and write into the
+scratch folder. ``nanogpt_cpu.py`` runs here, with stand-ins for the two
+programs it compares.
 """
 
 import ast
@@ -61,10 +62,21 @@ def _positive_number(value):
           and math.isfinite(value) and value > 0)
 
 
-def _run(module, tmp_path):
-  payload = module.main(["--quick", "--results_dir", str(tmp_path)])
-  assert payload["benchmark"] == module.NAME
-  return _written(module, tmp_path)
+def _quick(module):
+  """The folder that ``module.main(["--quick", "--results_dir", folder])``
+  wrote into, once main() returned the payload of ``module``'s benchmark
+  (their runs start when the tests are collected: tests/background.py)."""
+  name = module.__name__.rsplit(".", 1)[-1]
+  done = background.benchmark_outcome(background.result("benchmarks_quick"), name)
+  if "error" in done:
+    pytest.fail(f"benchmarks/{name}.py's main() raised:\n{done['error']}")
+  return done["benchmark"], done["folder"]
+
+
+def _run(module):
+  benchmark, folder = _quick(module)
+  assert benchmark == module.NAME
+  return _written(module, folder)
 
 
 def _written(module, tmp_path):
@@ -87,8 +99,8 @@ def _written(module, tmp_path):
   return on_disk
 
 
-def test_memory_quick(tmp_path):
-  result = _run(memory, tmp_path)
+def test_memory_quick():
+  result = _run(memory)
   rows = result["measurements"]
   assert {(r["impl"], r["policy"]) for r in rows} >= {
       ("stacked", "none"), ("stacked", "full"), ("hk_layer_stack", "full"),
@@ -109,9 +121,11 @@ def test_memory_quick(tmp_path):
   assert result["summary"]["gpt"]["order_low_to_high"][-1] == "none"
 
 
-def test_mixed_layers_quick(tmp_path):
+def test_mixed_layers_quick():
   """benchmarks/mixed_layers.py reports what the README reads."""
-  result = mixed_layers.main(["--quick", "--results_dir", str(tmp_path), "--no_plot"])
+  benchmark, folder = _quick(mixed_layers)   # run with --no_plot
+  assert benchmark == mixed_layers.NAME
+  result = json.loads((folder / "mixed_layers.json").read_text())
   summary = result["summary"]
   assert summary["values_and_gradients"]["met"] is True
   assert summary["values_and_gradients"]["cases"] == 1
@@ -121,11 +135,10 @@ def test_mixed_layers_quick(tmp_path):
   assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
   kv = summary["kv_cache"]
   assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
-  assert (tmp_path / "mixed_layers.json").exists()
 
 
-def test_compile_time_quick(tmp_path):
-  result = _run(compile_time, tmp_path)
+def test_compile_time_quick():
+  result = _run(compile_time)
   rows = result["measurements"]
   assert {r["impl"] for r in rows} == {"stacked", "hk_layer_stack", "blockseq"}
   for row in rows:
@@ -136,8 +149,8 @@ def test_compile_time_quick(tmp_path):
     assert isinstance(result["summary"][clock]["target"]["met"], bool)
 
 
-def test_step_time_quick(tmp_path):
-  result = _run(step_time, tmp_path)
+def test_step_time_quick():
+  result = _run(step_time)
   assert set(result["seconds_per_step"]) == {
       "stacked/none", "lax_scan/none", "stacked/full", "lax_scan/full"}
   for name, seconds in result["seconds_per_step"].items():
@@ -155,8 +168,8 @@ def test_step_time_quick(tmp_path):
     assert set(result["summary"][clock]["stacked_over_lax_scan"]) == {"none", "full"}
 
 
-def test_layer_rules_quick(tmp_path):
-  result = _run(layer_rules, tmp_path)
+def test_layer_rules_quick():
+  result = _run(layer_rules)
   for name in layer_rules.OPTIMIZERS:
     run = result["optimizers"][name]
     assert run["valid_loss"][-1][0] == result["config"]["steps"], name
@@ -169,8 +182,8 @@ def test_layer_rules_quick(tmp_path):
   assert result["summary"]["best"] in layer_rules.OPTIMIZERS
 
 
-def test_depth_edits_quick(tmp_path):
-  result = _run(depth_edits, tmp_path)
+def test_depth_edits_quick():
+  result = _run(depth_edits)
   arms = result["arms"]
   for name in depth_edits.ARMS:
     assert arms[name]["curve"][-1][0] == arms[name]["steps"], name
@@ -185,8 +198,8 @@ def test_depth_edits_quick(tmp_path):
   assert _positive_number(result["summary"]["seconds_ratio"])
 
 
-def test_remat_plan_quick(tmp_path):
-  result = _run(remat_plan, tmp_path)
+def test_remat_plan_quick():
+  result = _run(remat_plan)
   (depth,) = result["depths"]
   labels = {c["label"] for c in depth["candidates"]}
   assert labels == {"none", "full", "none:1,full:1"}
@@ -233,12 +246,8 @@ def test_remat_plan_quick(tmp_path):
 
 
 def test_pipeline_quick():
-  # main() runs the script again in a new process where JAX has fewer than 8
-  # devices: here, in a process of its own, started when the tests are
-  # collected (tests/background.py), which prints what main() returned.
-  job = background.result("pipeline_benchmark").check()
-  assert json.loads(job.stdout.strip().splitlines()[-1]) == {"benchmark": pipeline.NAME}
-  result = _written(pipeline, job.folder)
+  # main() runs the script again in a new process: this one's JAX has 1 device.
+  result = _run(pipeline)
   assert result["config"]["devices"] == pipeline.NUM_DEVICES
   bubble = result["bubble"]["rows"]
   assert bubble and all(r["exact"] for r in bubble)
@@ -344,19 +353,19 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert "**2.00x**" in result["markdown"]
 
 
-def test_accelerator_quick(tmp_path):
+def test_accelerator_quick():
   # Every part, at the --quick preset's sizes (--small's are the same code at
   # larger sizes).
-  payload = accelerator.main(["--quick", "--results_dir", str(tmp_path)])
+  benchmark, folder = _quick(accelerator)
   name = accelerator.result_name()
   assert name == f"accelerator_{accelerator.device_slug()}"
-  result = json.loads((tmp_path / f"{name}.json").read_text())
-  assert COMMON_KEYS <= set(result) and result["benchmark"] == payload["benchmark"] == name
+  result = json.loads((folder / f"{name}.json").read_text())
+  assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == name
   assert result["preset"] == "quick" and result["quick"] is True
   sizes = accelerator.SIZES["quick"]
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
-    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    assert (folder / f"{name}.png").stat().st_size > 0
   except ImportError:
     pass
   # The GPT: every stack and policy, float32 and bfloat16 compute, measured.
@@ -569,8 +578,8 @@ def test_fast_compile_keeps_only_flags_xla_knows():
                    "--xla_backend_optimization_level=2"), flags
 
 
-def test_decode_quick(tmp_path):
-  result = _run(decode, tmp_path)
+def test_decode_quick():
+  result = _run(decode)
   rows = result["measurements"]
   assert {(r["batch"], r["seq_len"]) for r in rows} == {(1, 32), (2, 32), (1, 64), (2, 64)}
   for row in rows:

@@ -20,8 +20,9 @@ already set wins.
 Once the tests are collected, the slow subprocesses that some of them check
 (pipelines and doc examples on 8 devices, the pipeline benchmark) start in
 the background, one after the other (``tests/background.py``): this process
-compiles on one core, and they run on the other. The Haiku layer_stack
-tests run first (see ``pytest_collection_modifyitems``).
+compiles on one core, and they run on the other; the modules that wait for
+them run last. The Haiku layer_stack tests run first (see
+``pytest_collection_modifyitems``).
 """
 
 import atexit
@@ -46,20 +47,22 @@ import background  # pylint: disable=wrong-import-position
 
 
 def pytest_collection_modifyitems(items):
-  """Runs tests/haiku_layer_stack_test.py first.
+  """Runs tests/haiku_layer_stack_test.py first, and last the modules that
+  wait for a background job (tests/background.py), which meanwhile runs.
 
-  Some of Haiku's tests there run with ``jax.check_tracer_leaks``, which
-  collects garbage at the end of every trace: a collection walks every live
-  object, and after the rest of the suite has run there are many more
-  (a leak-checked test took 0.9 s at the start and 6.4 s at the end). The
-  tests are independent of their order.
+  Some of Haiku's tests run with ``jax.check_tracer_leaks``, which collects
+  garbage at the end of every trace: a collection walks every live object,
+  and after the rest of the suite has run there are many more (a
+  leak-checked test took 0.9 s at the start and 6.4 s at the end). The tests
+  are independent of their order.
   """
-  items.sort(key=lambda item: item.path.name != "haiku_layer_stack_test.py")
+  background.order(items)
 
 
 def pytest_collection_finish(session):
   """Starts the subprocesses that the selected tests wait for (tests/background.py)."""
-  background.start(session.items)
+  if not session.config.option.collectonly:
+    background.start(session.items)
 
 
 def pytest_unconfigure(config):
