@@ -172,6 +172,7 @@ def order(items) -> None:
 
 
 _JOBS: dict[str, Job] = {}
+_QUEUED: set[str] = set()   # the jobs the thread runs
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()
 _WORKER: Optional[threading.Thread] = None
@@ -200,8 +201,16 @@ def start(items) -> None:
   if not names:
     return
   jobs = [_job(n, items) for n in names]
-  _WORKER = threading.Thread(target=lambda: [_run(j) for j in jobs if not _STOPPED.is_set()],
-                             name="stacktools-test-jobs", daemon=True)
+  _QUEUED.update(names)
+
+  def work():
+    for job in jobs:
+      if _STOPPED.is_set():
+        job.returncode, job.stderr = -1, "the test run stopped first"
+        job.done.set()
+      else:
+        _run(job)
+  _WORKER = threading.Thread(target=work, name="stacktools-test-jobs", daemon=True)
   _WORKER.start()
 
 
@@ -215,6 +224,8 @@ def _run(job: Job) -> None:
       job.process = subprocess.Popen(job.argv, env=job.env, cwd=ROOT, stdout=out,
                                      stderr=err, text=True)
     except OSError as e:
+      out.close()
+      err.close()
       job.returncode, job.stderr = -1, f"could not start {job.argv[:3]}: {e}"
       job.done.set()
       return
@@ -234,9 +245,9 @@ def _run(job: Job) -> None:
 
 
 def result(name: str) -> Job:
-  """The finished job ``name`` (run here and now if no thread started it)."""
+  """The finished job ``name`` (run here and now if the thread does not run it)."""
   job = _job(name)
-  if _WORKER is None or job.process is None and not _WORKER.is_alive():
+  if name not in _QUEUED:
     _run(job)
   job.done.wait()
   return job
