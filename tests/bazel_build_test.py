@@ -21,6 +21,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent   # see pytest.ini
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = "//tools/bazel:pytest_runner.py"
 RULES = ("py_library", "py_binary", "py_test", "filegroup", "alias",

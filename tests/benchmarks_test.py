@@ -1,17 +1,22 @@
 """Smoke tests for benchmarks/: every script runs in --quick mode, so none rots.
 
-Each script is run with ``--quick`` (tiny sizes, seconds) into a temporary
-results directory, never over the committed ``benchmarks/results``, and its
-JSON is checked for the keys the README section reads and for positive
-numbers. The full runs are not tests: their numbers are timings and memory
-of one machine, committed in ``benchmarks/results``. A quick run given no
-``--results_dir`` writes into a scratch folder, and leaves every tracked
-result as it was; ``accelerator.py`` runs its ``--small`` preset (all four
-parts at CPU sizes).
+Each script's ``main(["--quick", "--results_dir", folder])`` runs (tiny
+sizes, seconds) into a temporary results directory, never over the committed
+``benchmarks/results``, and its JSON is checked for the keys the README and
+the benchmark pages read and for positive numbers. The full runs are not
+tests: their numbers are timings and memory of one machine, committed in
+``benchmarks/results``. A quick run given no ``--results_dir`` writes into a
+scratch folder, and leaves every tracked result as it was.
 
-Four scripts run in this process (their ``main(argv)``); one runs as a user
-runs it, ``python benchmarks/init_time.py``, in a subprocess that cannot
-import matplotlib, which must print one line and write no PNG.
+The quick runs happen one after the other in one process of their own,
+started as soon as the tests are collected (tests/background.py), whose JAX
+has one device as this one's has: ``pipeline.py``'s main() starts the script
+again with 8, ``decode.py``'s a child under another XLA scheduler, as they
+did here. ``init_time.py`` also runs as a user runs it, ``python
+benchmarks/init_time.py --quick``, in a subprocess that cannot import
+matplotlib: it must print one line, write no PNG, and write into the
+scratch folder. ``nanogpt_cpu.py`` runs here, with stand-ins for the two
+programs it compares.
 """
 
 import ast
@@ -27,6 +32,8 @@ from pathlib import Path
 import jax
 import pytest
 
+import background
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
@@ -40,6 +47,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import layer_rules  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
+from benchmarks import mixed_layers  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
 from benchmarks import pipeline  # pylint: disable=wrong-import-position
 from benchmarks import remat_plan  # pylint: disable=wrong-import-position
@@ -54,8 +62,26 @@ def _positive_number(value):
           and math.isfinite(value) and value > 0)
 
 
-def _run(module, tmp_path):
-  payload = module.main(["--quick", "--results_dir", str(tmp_path)])
+def _quick(module):
+  """The folder that ``module.main(["--quick", "--results_dir", folder])``
+  wrote into, once main() returned the payload of ``module``'s benchmark
+  (their runs start when the tests are collected: tests/background.py)."""
+  name = module.__name__.rsplit(".", 1)[-1]
+  done = background.benchmark_outcome(background.result("benchmarks_quick"), name)
+  if "error" in done:
+    pytest.fail(f"benchmarks/{name}.py's main() raised:\n{done['error']}")
+  return done["benchmark"], done["folder"]
+
+
+def _run(module):
+  benchmark, folder = _quick(module)
+  assert benchmark == module.NAME
+  return _written(module, folder)
+
+
+def _written(module, tmp_path):
+  """The JSON a quick run wrote into ``tmp_path``, checked for the common keys,
+  and its plot (where matplotlib is installed)."""
   path = tmp_path / f"{module.NAME}.json"
   assert path.exists(), f"{module.NAME} wrote no JSON in {tmp_path}"
   on_disk = json.loads(path.read_text())
@@ -70,12 +96,11 @@ def _run(module, tmp_path):
     assert png.exists() and png.stat().st_size > 0
   except ImportError:
     assert not png.exists()
-  assert payload["benchmark"] == module.NAME
   return on_disk
 
 
-def test_memory_quick(tmp_path):
-  result = _run(memory, tmp_path)
+def test_memory_quick():
+  result = _run(memory)
   rows = result["measurements"]
   assert {(r["impl"], r["policy"]) for r in rows} >= {
       ("stacked", "none"), ("stacked", "full"), ("hk_layer_stack", "full"),
@@ -96,8 +121,24 @@ def test_memory_quick(tmp_path):
   assert result["summary"]["gpt"]["order_low_to_high"][-1] == "none"
 
 
-def test_compile_time_quick(tmp_path):
-  result = _run(compile_time, tmp_path)
+def test_mixed_layers_quick():
+  """benchmarks/mixed_layers.py reports what the README reads."""
+  benchmark, folder = _quick(mixed_layers)   # run with --no_plot
+  assert benchmark == mixed_layers.NAME
+  result = json.loads((folder / "mixed_layers.json").read_text())
+  summary = result["summary"]
+  assert summary["values_and_gradients"]["met"] is True
+  assert summary["values_and_gradients"]["cases"] == 1
+  assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
+  # 6 and 12 layers: one and two whole periods (fewer than 6 would leave the
+  # pattern's global kind without a layer); the full run: 12, 24, 48.
+  assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
+  kv = summary["kv_cache"]
+  assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
+
+
+def test_compile_time_quick():
+  result = _run(compile_time)
   rows = result["measurements"]
   assert {r["impl"] for r in rows} == {"stacked", "hk_layer_stack", "blockseq"}
   for row in rows:
@@ -108,8 +149,8 @@ def test_compile_time_quick(tmp_path):
     assert isinstance(result["summary"][clock]["target"]["met"], bool)
 
 
-def test_step_time_quick(tmp_path):
-  result = _run(step_time, tmp_path)
+def test_step_time_quick():
+  result = _run(step_time)
   assert set(result["seconds_per_step"]) == {
       "stacked/none", "lax_scan/none", "stacked/full", "lax_scan/full"}
   for name, seconds in result["seconds_per_step"].items():
@@ -127,8 +168,8 @@ def test_step_time_quick(tmp_path):
     assert set(result["summary"][clock]["stacked_over_lax_scan"]) == {"none", "full"}
 
 
-def test_layer_rules_quick(tmp_path):
-  result = _run(layer_rules, tmp_path)
+def test_layer_rules_quick():
+  result = _run(layer_rules)
   for name in layer_rules.OPTIMIZERS:
     run = result["optimizers"][name]
     assert run["valid_loss"][-1][0] == result["config"]["steps"], name
@@ -141,8 +182,8 @@ def test_layer_rules_quick(tmp_path):
   assert result["summary"]["best"] in layer_rules.OPTIMIZERS
 
 
-def test_depth_edits_quick(tmp_path):
-  result = _run(depth_edits, tmp_path)
+def test_depth_edits_quick():
+  result = _run(depth_edits)
   arms = result["arms"]
   for name in depth_edits.ARMS:
     assert arms[name]["curve"][-1][0] == arms[name]["steps"], name
@@ -157,8 +198,8 @@ def test_depth_edits_quick(tmp_path):
   assert _positive_number(result["summary"]["seconds_ratio"])
 
 
-def test_remat_plan_quick(tmp_path):
-  result = _run(remat_plan, tmp_path)
+def test_remat_plan_quick():
+  result = _run(remat_plan)
   (depth,) = result["depths"]
   labels = {c["label"] for c in depth["candidates"]}
   assert labels == {"none", "full", "none:1,full:1"}
@@ -204,9 +245,9 @@ def test_remat_plan_quick(tmp_path):
   assert result["summary"]["report_temp_mismatches"] == {}
 
 
-def test_pipeline_quick(tmp_path):
+def test_pipeline_quick():
   # main() runs the script again in a new process: this one's JAX has 1 device.
-  result = _run(pipeline, tmp_path)
+  result = _run(pipeline)
   assert result["config"]["devices"] == pipeline.NUM_DEVICES
   bubble = result["bubble"]["rows"]
   assert bubble and all(r["exact"] for r in bubble)
@@ -231,7 +272,9 @@ def test_pipeline_quick(tmp_path):
   assert rows["circular"]["collectives"]["all-to-all"]["parameters"] > 0
   assert result["summary"]["all_match_plain"] and result["summary"]["bubble_all_exact"]
   assert {r["schedule"] for r in bubble} == {"gpipe", "1f1b", "circular", "interleaved", "zb"}
-  # The GPT example against M: 1f1b's temp memory stays, GPipe's grows.
+  # The GPT example against M: 1f1b's temp memory stays, GPipe's grows (the
+  # suite's check of 1f1b's memory: were all M microbatches' stage inputs
+  # kept, as GPipe keeps them, 1f1b's would grow as GPipe's does).
   example = result["against_m"]
   assert {(r["schedule"], r["microbatches"]) for r in example["rows"]} == {
       (s, m) for s in ("gpipe", "1f1b") for m in (4, 8)}
@@ -273,6 +316,7 @@ with open(os.path.join(flags["workdir"], "metrics.jsonl"), "w") as f:
 """
 
 
+@pytest.mark.jax_independent
 def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   nanogpt = tmp_path / "nanoGPT"
   (nanogpt / "config").mkdir(parents=True)
@@ -309,18 +353,19 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert "**2.00x**" in result["markdown"]
 
 
-def test_accelerator_small(tmp_path):
-  # The --small preset, every part, fewer rounds than its default.
-  payload = accelerator.main(["--small", "--rounds", "2", "--steps", "1", "--calls", "2",
-                              "--results_dir", str(tmp_path)])
+def test_accelerator_quick():
+  # Every part, at the --quick preset's sizes (--small's are the same code at
+  # larger sizes).
+  benchmark, folder = _quick(accelerator)
   name = accelerator.result_name()
   assert name == f"accelerator_{accelerator.device_slug()}"
-  result = json.loads((tmp_path / f"{name}.json").read_text())
-  assert COMMON_KEYS <= set(result) and result["benchmark"] == payload["benchmark"] == name
-  assert result["preset"] == "small" and result["quick"] is False
+  result = json.loads((folder / f"{name}.json").read_text())
+  assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == name
+  assert result["preset"] == "quick" and result["quick"] is True
+  sizes = accelerator.SIZES["quick"]
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
-    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    assert (folder / f"{name}.png").stat().st_size > 0
   except ImportError:
     pass
   # The GPT: every stack and policy, float32 and bfloat16 compute, measured.
@@ -330,7 +375,7 @@ def test_accelerator_small(tmp_path):
   for run in runs.values():
     for key in ("step_s", "temp_bytes", "compile_s"):
       assert _positive_number(run[key]), (key, run)
-    assert len(run["step_s_rounds"]) == 2
+    assert len(run["step_s_rounds"]) == result["config"]["rounds"] == 2
   for key, ratios in result["summary"]["gpt"].items():
     assert all(_positive_number(v) for v in ratios.values()), (key, ratios)
   # What the scanned stack without remat keeps is below what save_all keeps.
@@ -340,8 +385,9 @@ def test_accelerator_small(tmp_path):
   # Decode: each contender and the floor at each point; in place and sliced
   # decode the same logits.
   rows = result["decode"]["rows"]
-  assert [(r["batch"], r["dtype"]) for r in rows] == [
-      (4, "float32"), (1, "float32"), (4, "bfloat16")]
+  assert [(r["batch"], r["dtype"]) for r in rows] == list(sizes["decode"]["points"])
+  assert [r["dtype"] for r in rows] == ["float32", "float32", "bfloat16"]
+  assert rows[0]["batch"] == rows[2]["batch"]
   for row in rows:
     assert not row["out_of_memory"], row
     for contender in ("floor",) + accelerator.DECODED:
@@ -437,18 +483,15 @@ def _results_snapshot():
   return git("status", "--porcelain", "--", "benchmarks/results"), sorted(os.listdir(results)), files
 
 
-def test_a_quick_run_leaves_the_published_results_alone(tmp_path, monkeypatch):
-  if shutil.which("git") is None or subprocess.run(
+def _in_a_git_work_tree():
+  return shutil.which("git") is not None and subprocess.run(
       ["git", "rev-parse", "--is-inside-work-tree"], cwd=REPO_ROOT, capture_output=True,
-      check=False).returncode != 0:
-    pytest.skip("not a git work tree (git status is what this test compares)")
-  scratch = tmp_path / "scratch"
-  monkeypatch.setattr(harness, "SCRATCH_RESULTS_DIR", scratch)
-  before = _results_snapshot()
-  init_time.main(["--quick"])   # no --results_dir
-  assert _results_snapshot() == before
-  assert json.loads((scratch / "quick" / f"{init_time.NAME}.json").read_text())["quick"]
-  # Every script writes through the harness, which chooses that folder.
+      check=False).returncode == 0
+
+
+@pytest.mark.jax_independent
+def test_every_script_writes_through_the_harness():
+  # The harness chooses the folder (a scratch one for a preset) and writes.
   for script in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
     text = script.read_text()
     if "def main(" not in text or script.name == "nanogpt_prep.py":
@@ -458,22 +501,33 @@ def test_a_quick_run_leaves_the_published_results_alone(tmp_path, monkeypatch):
       assert writer not in text.replace("harness.write_json(", ""), (script.name, writer)
 
 
-def test_init_time_as_a_script_without_matplotlib(tmp_path):
+def test_init_time_as_a_script_without_matplotlib_leaves_the_published_results_alone(
+    tmp_path):
+  """``python benchmarks/init_time.py --quick``, as a user runs it, where
+  matplotlib cannot be imported: one line says so, no PNG; and with no
+  --results_dir it writes into the scratch folder, leaving every published
+  result as it was (git status, the folder's listing, each file's hash and
+  modification time)."""
   # A stand-in matplotlib that fails to import, ahead of any installed one.
   shadow = tmp_path / "shadow" / "matplotlib"
   shadow.mkdir(parents=True)
   (shadow / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
-  results = tmp_path / "results"
-  env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+  temp = tmp_path / "tmp"   # the scratch folder is <tmp>/stacktools-benchmarks/quick
+  temp.mkdir()
+  env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"), TMPDIR=str(temp))
+  git = _in_a_git_work_tree()
+  before = _results_snapshot() if git else None
   done = subprocess.run(
-      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick",
-       "--results_dir", str(results)],
+      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick"],
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
+  if git:   # without git there is no status to compare
+    assert _results_snapshot() == before
   assert harness.NO_MATPLOTLIB in done.stdout.splitlines(), done.stdout[-2000:]
+  results = temp / "stacktools-benchmarks" / "quick"
   assert not (results / f"{init_time.NAME}.png").exists()
   result = json.loads((results / f"{init_time.NAME}.json").read_text())
-  assert COMMON_KEYS <= set(result)
+  assert COMMON_KEYS <= set(result) and result["quick"]
   assert {r["impl"] for r in result["measurements"]} == {"stacked", "hk_layer_stack"}
   for row in result["measurements"]:
     for key in ("trace_s", "compile_s", "run_s", "total_s", "cpu_total_s"):
@@ -481,6 +535,7 @@ def test_init_time_as_a_script_without_matplotlib(tmp_path):
   assert all(_positive_number(v) for v in result["summary"]["hk_over_stacked"].values())
 
 
+@pytest.mark.jax_independent
 def test_flags_reject_bad_lists():
   with pytest.raises(SystemExit):
     memory.build_parser().parse_args(["--policies", "full,bogus"])
@@ -503,6 +558,7 @@ def _benchmark_imports(module_name):
   return names
 
 
+@pytest.mark.jax_independent
 def test_shared_modules_import_one_way():
   # The measuring and publishing modules know nothing of what they measure.
   assert _benchmark_imports("harness") == set()
@@ -522,8 +578,8 @@ def test_fast_compile_keeps_only_flags_xla_knows():
                    "--xla_backend_optimization_level=2"), flags
 
 
-def test_decode_quick(tmp_path):
-  result = _run(decode, tmp_path)
+def test_decode_quick():
+  result = _run(decode)
   rows = result["measurements"]
   assert {(r["batch"], r["seq_len"]) for r in rows} == {(1, 32), (2, 32), (1, 64), (2, 64)}
   for row in rows:

@@ -7,13 +7,16 @@ References:
   named leaves, listed here leaf by leaf), then ``st.stack_params``; exact,
   for a plain and a mixed-layer ``st.Stacked`` with Haiku state, and on the
   BlockSeq layout;
-* function-preserving growth: the GPT example grown with zeroed residual
-  outputs gives the logits (and, for the old layers, the gradients) of the
-  model it was grown from, for fold and scan blocks and every remat alias;
+* function-preserving growth: the tests' small transformer
+  (``haiku_helpers.transformer``) grown with zeroed residual outputs gives
+  the logits (and, for the old layers, the gradients) of the model it was
+  grown from, for fold and scan blocks, with and without a checkpointed
+  loop, a pattern and BlockSeq;
 * mistakes stop with one line and change nothing they were given.
 """
 
 import copy
+import functools
 
 import haiku as hk
 import jax
@@ -23,7 +26,8 @@ import pytest
 
 import stacktools as st
 from stacktools import depth
-from examples.gpt import model as model_lib
+
+from haiku_helpers import KINDS, RESIDUAL_OUTPUTS, Tiny, random_like, transformer
 
 D = 4
 X = jnp.linspace(-1.0, 1.0, 2 * D).reshape(2, D)
@@ -50,7 +54,14 @@ class Block(hk.Module):
 
 
 def _init(depth_, pattern=None, seed=0):
-  """``(params, state)`` of a stack ``model/h`` of ``depth_`` layers."""
+  """``(params, state)`` of a stack ``model/h`` of ``depth_`` layers: numpy
+  arrays, random, shaped by the init's trace (the edits are layouts: their
+  values need no init, and numpy ones no compile)."""
+  return copy.deepcopy(_init_once(depth_, pattern, seed))
+
+
+@functools.cache
+def _init_once(depth_, pattern, seed):
   def forward(x):
     with hk.experimental.name_scope("model"):
       if pattern is None:
@@ -59,7 +70,8 @@ def _init(depth_, pattern=None, seed=0):
         stack = st.Stacked({"a": lambda: Block(8), "b": lambda: Block(6)}, depth_,
                            pattern=pattern, name="h")
       return hk.Linear(D, name="head")(stack.fold(x))
-  return hk.transform_with_state(forward).init(jax.random.PRNGKey(seed), X)
+  shapes = jax.eval_shape(hk.transform_with_state(forward).init, jax.random.PRNGKey(0), X)
+  return jax.device_get(random_like(shapes, seed))
 
 
 def _by_hand(params, name, indices, new=None, zeroed=(), pattern=None):
@@ -188,6 +200,7 @@ def test_numpy_in_numpy_out_and_traceable():
   assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, got)
 
 
+@pytest.mark.jax_independent
 def test_helpers_spell_the_growth_schemes():
   assert depth.repeat(2, 4) == [0, 0, 1, 1]
   assert depth.repeat(2, 3) == [0, 0, 1]
@@ -208,17 +221,34 @@ def test_helpers_spell_the_growth_schemes():
       helper(0, 2)
 
 
+@pytest.mark.jax_independent
+@pytest.mark.parametrize("n, m, want", [
+    (4, 6, [0, 0, 1, 1, 2, 3]),
+    (3, 7, [0, 0, 0, 1, 1, 2, 2]),
+    (2, 3, [0, 0, 1]),
+    (3, 6, [0, 0, 1, 1, 2, 2]),
+])
+def test_repeat_gives_the_lower_layers_the_extra_copies(n, m, want):
+  # repeat(4, 6) once gave copies 2, 1, 2, 1.
+  assert depth.repeat(n, m) == want
+  # Per period, the same: repeat(4, 6) over periods of 2 layers.
+  assert depth.repeat(2 * n, 2 * m, period=2) == [2 * u + j for u in want for j in (0, 1)]
+
+
 # ---------------------------------------------------------------------------
-# Function-preserving growth of the GPT example.
+# Function-preserving growth of a small transformer.
 
 
-def _gpt(num_layers, block, remat, **kw):
-  cfg = model_lib.GPTConfig(vocab_size=13, seq_len=8, num_layers=num_layers, num_heads=2,
-                            d_model=16, block=block, remat=remat, **kw)
-  return hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)[0]))
+def _tiny(num_layers, block, remat, **kw):
+  return transformer(Tiny(num_layers=num_layers, block=block, remat=remat, **kw))
 
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 13, (3, 8)), jnp.int32)
+
+
+def _params(model, seed):
+  """Random parameters of the model's shapes (nothing compiled)."""
+  return random_like(jax.eval_shape(model.init, jax.random.PRNGKey(0), TOKENS), seed)
 
 
 def _logits_and_grads(model, params):
@@ -228,14 +258,16 @@ def _logits_and_grads(model, params):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("remat", list(st.CheckpointPolicy.ALIASES))
-@pytest.mark.parametrize("block", ["fold", "scan"])
+# A fold and a scan block, each with a loop without and with checkpoints.
+# The other aliases compute what "none" computes, for any parameters
+# (stacked_test.py: test_remat_aliases_match_no_remat), so a grown stack
+# keeps its function under them too.
+@pytest.mark.parametrize("block,remat", [("fold", "none"), ("scan", "nested")])
 def test_zeroed_fresh_layers_keep_the_function(block, remat):
-  small, big = _gpt(2, block, remat), _gpt(4, block, remat)
-  params = jax.jit(small.init)(jax.random.PRNGKey(0), TOKENS)
-  fresh = jax.jit(big.init)(jax.random.PRNGKey(1), TOKENS)
+  small, big = _tiny(2, block, remat), _tiny(4, block, remat)
+  params, fresh = _params(small, 0), _params(big, 1)
   indices = depth.insert_new(2, 4)
-  grown = st.take_layers(params, "h", indices, new=fresh, zero=model_lib.RESIDUAL_OUTPUTS)
+  grown = st.take_layers(params, "h", indices, new=fresh, zero=RESIDUAL_OUTPUTS)
   (_, want), want_grads = _logits_and_grads(small, params)
   (_, got), got_grads = _logits_and_grads(big, grown)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -246,8 +278,7 @@ def test_zeroed_fresh_layers_keep_the_function(block, remat):
       mine = got_grads[module][leaf]
       np.testing.assert_allclose(mine[np.asarray(old)] if module.startswith("h/") else mine,
                                  value, rtol=1e-5, atol=1e-6, err_msg=f"{module}/{leaf}")
-  # Without zero=, the fresh layers change the function: the test can fail
-  # (once per block; the remat policy changes how, not what, is computed).
+  # Without zero=, the fresh layers change the function: the test can fail.
   if remat == "none":
     unzeroed = st.take_layers(params, "h", indices, new=fresh)
     assert not np.allclose(_logits_and_grads(big, unzeroed)[0][1], want, atol=1e-3)
@@ -256,14 +287,13 @@ def test_zeroed_fresh_layers_keep_the_function(block, remat):
 @pytest.mark.parametrize("kw", [dict(pattern="LG", window=4), dict(stack="unrolled")],
                          ids=["pattern", "blockseq"])
 def test_zeroed_fresh_layers_keep_the_function_of_patterns_and_blockseq(kw):
-  small, big = _gpt(2, "fold", "full", **kw), _gpt(4, "fold", "full", **kw)
-  pattern = tuple(model_lib.KINDS[c] for c in kw.get("pattern", "")) or None
-  params = small.init(jax.random.PRNGKey(0), TOKENS)
-  fresh = big.init(jax.random.PRNGKey(1), TOKENS)
+  small, big = _tiny(2, "fold", "full", **kw), _tiny(4, "fold", "full", **kw)
+  pattern = tuple(KINDS[c] for c in kw.get("pattern", "")) or None
+  params, fresh = _params(small, 0), _params(big, 1)
   grown = st.take_layers(params, "h", depth.insert_new(2, 4, period=len(pattern or "x")),
-                         pattern=pattern, new=fresh, zero=model_lib.RESIDUAL_OUTPUTS)
-  np.testing.assert_allclose(big.apply(grown, TOKENS), small.apply(params, TOKENS),
-                             rtol=1e-6, atol=1e-6)
+                         pattern=pattern, new=fresh, zero=RESIDUAL_OUTPUTS)
+  np.testing.assert_allclose(jax.jit(big.apply)(grown, TOKENS),
+                             jax.jit(small.apply)(params, TOKENS), rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -309,10 +339,42 @@ def test_new_from_another_model_is_refused():
   def forward(x):
     with hk.experimental.name_scope("model"):
       return st.Stacked(lambda: Block(5), 2, name="h").fold(x)
-  other = hk.transform_with_state(forward).init(jax.random.PRNGKey(0), X)[0]
+  other = random_like(jax.eval_shape(hk.transform_with_state(forward).init,
+                                     jax.random.PRNGKey(0), X)[0])
   with pytest.raises(ValueError, match=r"new= model/h/block/fc/[wb] is float32\[(4, )?5\] per "
                      r"layer but params' is float32\[(4, )?8\]"):
     st.take_layers(params, "model/h", [0, None], new=other)
+
+
+def _kinds_params(counts):
+  """Stacks under model/h/<kind> (``{kind: layers}``), as a mixed-layer stack lays
+  them out, or as one block with two modules does."""
+  return {f"model/h/{kind}/linear": {"w": np.arange(c * 4.0).reshape(c, 2, 2) + 100 * k}
+          for k, (kind, c) in enumerate(counts.items())}
+
+
+def test_a_mixed_stack_without_its_pattern_is_refused():
+  # Once each kind's rows were picked, as if each kind were the stack.
+  params = _kinds_params({"a": 2, "b": 2})   # pattern ab over 4 layers
+  with pytest.raises(ValueError, match=r"^take_layers: the modules under 'model/h' lie "
+                     r"under \['a', 'b'\], as the kinds of a mixed-layer stack do.*the "
+                     r"indices would pick each kind's rows.*Pass the pattern the stack was "
+                     r"built with as pattern="):
+    st.take_layers(params, "model/h", [0, 1])
+  got = st.take_layers(params, "model/h", [0, 1], pattern="ab")   # layers 0 (a), 1 (b)
+  for kind in ("a", "b"):
+    np.testing.assert_array_equal(got[f"model/h/{kind}/linear"]["w"],
+                                  params[f"model/h/{kind}/linear"]["w"][:1])
+
+
+def test_a_stack_of_one_block_laid_out_like_kinds_edits_one_scope_at_a_time():
+  params = _kinds_params({"attn": 3, "mlp": 3})   # one block with two modules
+  with pytest.raises(ValueError, match=r"edit one at a time: take_layers\(params, "
+                     r"'model/h/attn', indices\), then 'model/h/mlp'"):
+    st.take_layers(params, "model/h", [2, 0])
+  got = st.take_layers(st.take_layers(params, "model/h/attn", [2, 0]), "model/h/mlp", [2, 0])
+  for scope in ("model/h/attn/linear", "model/h/mlp/linear"):
+    np.testing.assert_array_equal(got[scope]["w"], params[scope]["w"][[2, 0]])
 
 
 @pytest.mark.parametrize("layout", ["stacked", "blockseq"])

@@ -23,6 +23,7 @@ page or the module.
 
 import ast
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -170,6 +171,31 @@ def package_modules():
           for name in sorted(os.listdir(folder)) if name.endswith(".py")]
 
 
+def device_items():
+  """What docs_test runs on DEVICES devices: the README's and docs/' pages
+  that ask for devices, and DOCSTRINGS."""
+  pages = [os.path.join(ROOT, "README.md")] + sorted(
+      glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+  return [p for p in pages if markdown_blocks(p) and page_devices(p)] + [DOCSTRINGS]
+
+
+def on_devices_command(items):
+  """``(argv, env)`` of the subprocess that runs ``items`` on DEVICES devices."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={DEVICES}")
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+  return [sys.executable, os.path.abspath(__file__), *items], env
+
+
+def on_devices_results(returncode, stdout, stderr):
+  """What the subprocess of :func:`on_devices_command` printed, read back:
+  ``{item: the number of blocks run, or the error's traceback as text}``."""
+  if returncode:
+    raise AssertionError(f"the examples on {DEVICES} devices:\n{stderr[-4000:]}")
+  return json.loads(stdout.strip().splitlines()[-1])
+
+
 def run_on_devices(items):
   """Runs pages and the docstring examples in one subprocess with DEVICES
   virtual CPU devices (their examples build meshes), so JAX starts once.
@@ -181,15 +207,10 @@ def run_on_devices(items):
   Returns:
     ``{item: the number of blocks run, or the error's traceback as text}``.
   """
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={DEVICES}")
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), *items],
-                       env=env, capture_output=True, text=True, timeout=600, check=False)
-  if out.returncode:
-    raise AssertionError(f"the examples on {DEVICES} devices:\n{out.stderr[-4000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  argv, env = on_devices_command(items)
+  out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
+  return on_devices_results(out.returncode, out.stdout, out.stderr)
 
 
 def _result(item, result):

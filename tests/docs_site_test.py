@@ -19,6 +19,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent   # see pytest.ini
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = os.path.join(ROOT, "site")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -20,6 +20,7 @@ import shutil
 
 import pytest
 
+import background
 import doc_examples
 import stacktools
 
@@ -44,9 +45,14 @@ PAGES_WITH_CODE = [p for p in _pages() if doc_examples.markdown_blocks(p)]
 @pytest.fixture(scope="module")
 def on_devices():
   """The pages that build meshes and the docstring examples, run in one
-  subprocess with 8 virtual devices: {item: blocks run, or the traceback}."""
-  items = [p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)]
-  return doc_examples.run_on_devices(items + [doc_examples.DOCSTRINGS])
+  subprocess with 8 virtual devices: {item: blocks run, or the traceback}.
+
+  The subprocess starts when the tests are collected (tests/background.py).
+  """
+  assert doc_examples.device_items() == [
+      p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)] + [doc_examples.DOCSTRINGS]
+  job = background.result("docs_on_devices")
+  return doc_examples.on_devices_results(job.returncode, job.stdout, job.stderr)
 
 
 def _ran(on_devices, item):
@@ -76,12 +82,14 @@ def test_the_docstring_examples_run(on_devices):
   doc_examples.COUNTS["docstring blocks"] += ran
 
 
+@pytest.mark.jax_independent
 def test_fragments_are_few_and_say_why():
   fragments = [b for p in _pages() for b in doc_examples.markdown_blocks(p) if b.fragment]
   assert len(fragments) <= MAX_FRAGMENTS, [(_rel(b.path), b.line) for b in fragments]
   assert all(len(b.fragment.split()) >= 3 for b in fragments), fragments
 
 
+@pytest.mark.jax_independent
 def test_the_collector_finds_fences_fragments_and_docstring_examples(tmp_path):
   page = tmp_path / "page.md"
   page.write_text("Text.\n\n```python\nx = 1\n```\n\n<!-- fragment: needs a real cluster -->\n"
@@ -121,6 +129,7 @@ def test_a_broken_docstring_example_in_a_copy_of_a_module_fails(tmp_path):
     doc_examples.run_docstrings(str(copy), vars(stacktools._nested_split))
 
 
+@pytest.mark.jax_independent
 def test_the_readme_is_a_short_front_door():
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
     lines = f.read().splitlines()
@@ -130,6 +139,7 @@ def test_the_readme_is_a_short_front_door():
   assert lines[4].startswith("pip install -e '.[test]' && python -m pytest -q tests")
 
 
+@pytest.mark.jax_independent
 def test_every_public_name_has_one_api_entry():
   entries = {}
   for path in glob.glob(os.path.join(DOCS, "api", "*.md")):
@@ -154,6 +164,7 @@ def _literal_parts(node):
   return []
 
 
+@pytest.mark.jax_independent
 def test_every_error_the_library_raises_is_on_the_troubleshooting_page():
   with open(os.path.join(DOCS, "guides", "troubleshooting.md"), encoding="utf-8") as f:
     page = f.read()
@@ -183,6 +194,7 @@ def _page_of(name):
   return os.path.join(DOCS, "benchmarks", f"{name}.md")
 
 
+@pytest.mark.jax_independent
 @pytest.mark.parametrize("name", sorted(
     os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))))
 def test_each_benchmark_page_states_its_run(name):

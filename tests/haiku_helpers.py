@@ -2,15 +2,30 @@
 
 A test module imports what it uses by name; importing ``check_jax_usage``
 makes it an autouse fixture of that module.
+
+Also the library tests' small transformer (:func:`transformer`, built of
+:class:`TransformerBlock`): token and position embeddings, pre-LayerNorm
+blocks of causal self-attention and an MLP whose intermediates are tagged
+with ``st.checkpoint_name``, a final LayerNorm and a head, stacked by
+``st.Stacked`` or ``st.BlockSeq``, with fold or scan blocks, an optional
+pattern of sliding-window (``L``) and full (``G``) attention, an optional
+per-layer input and optional state. Its module names are the GPT example's
+(``h/block/attn/qkv``, ``h/block/fc_out``, ``tok_embed``, ...), so what a
+library test says of its parameter tree reads as it would of the example's;
+the example's own model is for the example's tests (``tests/gpt_*``).
 """
 
+import dataclasses
 import functools
+from typing import Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import stacktools as st
 
 RTOL, ATOL = 1e-5, 1e-5
 B, D = 3, 8  # The default batch and width of test inputs.
@@ -83,3 +98,161 @@ def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
           == jax.tree_util.tree_structure(expected))
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol),
                actual, expected)
+
+
+# ---------------------------------------------------------------------------
+# A small transformer for the library's tests.
+
+#: Every name a block tags with ``st.checkpoint_name``.
+CHECKPOINT_NAMES = ("qkv", "attn_scores", "attn_probs", "attn_out", "mlp_pre",
+                    "mlp_hidden", "mlp_out")
+#: The two linear layers whose outputs a block adds to the residual stream:
+#: zeroed (weights and biases), the block is the identity.
+RESIDUAL_OUTPUTS = ("attn/proj", "fc_out")
+#: The kinds of a pattern, by letter, and the scope their parameters live under.
+KINDS = {"L": "local", "G": "global"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+  """The shape of :func:`transformer` and how its blocks are stacked.
+
+  ``block``: ``"fold"`` (a block returns ``x``) or ``"scan"`` (``(x, stats)``,
+  one number per sequence and layer). ``stack``: ``"scan"`` (``st.Stacked``)
+  or ``"unrolled"`` (``st.BlockSeq``). ``pattern``: ``""``, or letters of
+  :data:`KINDS` (``L`` attends to the last ``window`` positions). ``per_layer``:
+  the blocks take a per-layer gate on their MLP (``[num_layers]``, passed with
+  ``st.per_layer``). ``state``: each block counts its calls in Haiku state.
+  """
+
+  num_layers: int = 2
+  width: int = 16
+  heads: int = 2
+  vocab: int = 13
+  seq_len: int = 8
+  mlp_ratio: int = 4
+  block: str = "fold"
+  stack: str = "scan"
+  remat: object = False
+  pattern: str = ""
+  window: int = 0
+  bias: bool = True
+  per_layer: bool = False
+  state: bool = False
+
+
+# Uniform weights of truncated normal's scale: they compile several times faster.
+W_INIT = hk.initializers.VarianceScaling(1.0, "fan_in", "uniform")
+
+
+def _linear(cfg: Tiny, size: int, name: str) -> hk.Linear:
+  return hk.Linear(size, with_bias=cfg.bias, w_init=W_INIT, name=name)
+
+
+class Attention(hk.Module):
+  """Causal multi-head self-attention (within ``window`` positions if given)."""
+
+  def __init__(self, cfg: Tiny, window: Optional[int] = None, name=None):
+    super().__init__(name=name)
+    self.cfg, self.window = cfg, window
+
+  def __call__(self, x):
+    cfg = self.cfg
+    b, t, d = x.shape
+    qkv = st.checkpoint_name(_linear(cfg, 3 * d, "qkv")(x), "qkv")
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.heads, d // cfg.heads), 3, axis=2)
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if self.window is not None:
+      mask &= pos[None, :] > pos[:, None] - self.window
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // cfg.heads) ** 0.5
+    scores = st.checkpoint_name(jnp.where(mask, scores, -1e30), "attn_scores")
+    probs = st.checkpoint_name(jax.nn.softmax(scores, axis=-1), "attn_probs")
+    mixed = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+    out = _linear(cfg, d, "proj")(mixed)
+    return st.checkpoint_name(out, "attn_out"), probs
+
+
+class TransformerBlock(hk.Module):
+  """A pre-LayerNorm block: attention, then an MLP, each added to ``x``."""
+
+  def __init__(self, cfg: Tiny, window: Optional[int] = None, name=None):
+    super().__init__(name=name)
+    self.cfg, self.window = cfg, window
+
+  def __call__(self, x, gate=None):
+    cfg = self.cfg
+    if cfg.state:
+      calls = hk.get_state("calls", [], jnp.int32, init=jnp.zeros)
+      hk.set_state("calls", calls + 1)
+    x_in = x
+    ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln1")
+    attn, probs = Attention(cfg, self.window, name="attn")(ln1(x))
+    x = x + attn
+    ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln2")
+    h = _linear(cfg, cfg.mlp_ratio * cfg.width, "fc")(ln2(x))
+    h = st.checkpoint_name(jax.nn.gelu(st.checkpoint_name(h, "mlp_pre")), "mlp_hidden")
+    h = st.checkpoint_name(_linear(cfg, cfg.width, "fc_out")(h),
+                           "mlp_out")
+    x = x + (h if gate is None else gate * h)
+    if cfg.block == "fold":
+      return x
+    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    return x, {"attn_entropy": jnp.mean(entropy, axis=(1, 2)),
+               "update": jnp.mean(jnp.abs(x - x_in), axis=(1, 2))}
+
+
+def tiny_stack(cfg: Tiny):
+  """The block stack ``h`` of ``cfg`` (call inside a Haiku transform)."""
+  if cfg.pattern:
+    windows = {"L": cfg.window, "G": None}
+    make_block = {KINDS[c]: functools.partial(TransformerBlock, cfg, windows[c], name="block")
+                  for c in dict.fromkeys(cfg.pattern)}
+    config = dict(pattern=tuple(KINDS[c] for c in cfg.pattern))
+  else:
+    make_block, config = (lambda: TransformerBlock(cfg, name="block")), {}
+  cls = st.Stacked if cfg.stack == "scan" else st.BlockSeq
+  return cls(make_block, cfg.num_layers, remat=cfg.remat, name="h", **config)
+
+
+def tiny_forward(cfg: Tiny, tokens, gates=None):
+  """``(logits, stats)``: ``stats`` is ``None`` for fold blocks, else
+  ``[num_layers, B]`` arrays. Call inside a Haiku transform."""
+  init = hk.initializers.RandomNormal(0.02)
+  x = hk.Embed(cfg.vocab, cfg.width, w_init=init, name="tok_embed")(tokens)
+  x = x + hk.Embed(cfg.seq_len, cfg.width, w_init=init,
+                   name="pos_embed")(jnp.arange(tokens.shape[1]))[None]
+  args = (st.per_layer(gates[:, None, None, None]),) if cfg.per_layer else ()
+  stack = tiny_stack(cfg)
+  stats = None
+  if cfg.block == "fold":
+    x = stack.fold(x, *args)
+  else:
+    x, stats = stack.scan(x, *args)
+  x = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")(x)
+  return _linear(cfg, cfg.vocab, "head")(x), stats
+
+
+def tiny_loss(cfg: Tiny, tokens, gates=None):
+  """Mean next-token cross entropy over ``tokens[:, 1:]`` (``[B, seq_len + 1]``)."""
+  logits, _ = tiny_forward(cfg, tokens[:, :-1], gates)
+  log_probs = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+
+def transformer(cfg: Tiny, what: str = "logits"):
+  """``hk.transform`` (``_with_state`` with ``cfg.state``) of :func:`tiny_forward`'s
+  logits (``what="logits"``), of ``(logits, stats)`` (``"forward"``) or of
+  :func:`tiny_loss` (``"loss"``), without an apply rng."""
+  fn = {"logits": lambda *a: tiny_forward(cfg, *a)[0],
+        "forward": functools.partial(tiny_forward, cfg),
+        "loss": functools.partial(tiny_loss, cfg)}[what]
+  if cfg.state:
+    return hk.without_apply_rng(hk.transform_with_state(fn))
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+def tiny_tokens(cfg: Tiny, batch: int = 3, extra: int = 0, seed: int = 0):
+  """``[batch, seq_len + extra]`` random token ids."""
+  return jax.random.randint(jax.random.PRNGKey(seed), (batch, cfg.seq_len + extra),
+                            0, cfg.vocab)

@@ -339,6 +339,37 @@ def test_bad_updates_and_flags():
     st.per_kind({}, in_place=1)
 
 
+class _Writer(hk.Module):
+  """Writes ones at position ``pos`` of axis 1 of its row (``[B, 4, 3]``)."""
+
+  def __call__(self, x, cache, pos):
+    cache = cache.write({"k": 1.0 + jnp.zeros((2, 1, 3))}, at=(0, pos))
+    return x, cache
+
+
+def _writes(pos, t=4):
+  f = hk.without_apply_rng(hk.transform(lambda c: st.Stacked(_Writer, 2, name="h").scan(
+      jnp.ones((2, 3)), st.per_layer(c, in_place=True), pos)[1]))
+  return f.apply({}, {"k": jnp.zeros((2, 2, t, 3))})
+
+
+@pytest.mark.parametrize("pos, moved", [(4, 3), (7, 3), (-1, 0)])
+def test_a_concrete_write_past_the_row_is_refused(pos, moved):
+  # Once it overwrote the last position.
+  with pytest.raises(ValueError, match=rf"write\(at=\(0, {pos}\)\) puts an update 1 long "
+                     rf"on axis 1 of the row at {pos}, but that axis holds positions 0 to "
+                     rf"3, so lax.dynamic_update_slice would move the write to {moved} and "
+                     r"overwrite what is there: start between 0 and 3"):
+    jax.eval_shape(lambda: _writes(pos))
+
+
+def test_a_write_at_the_last_position_lands_there():
+  got = np.asarray(_writes(3)["k"])
+  want = np.zeros((2, 2, 4, 3))
+  want[:, :, 3] = 1.0
+  np.testing.assert_array_equal(got, want)
+
+
 def test_a_pipelined_stack_refuses_in_place_arguments():
   x, cache = data()
   # Auto axes, which a pipeline needs (AbstractMesh's default: Auto in jax

@@ -10,6 +10,8 @@ compared for every remat alias, per-depth segments, a mixed-layer pattern
 and BlockSeq.
 """
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -72,10 +74,13 @@ def _dropped(rates):
                                     rates[i])) for i in range(L)]
 
 
-def _reference(params, x, rates, pattern=None):
-  """A Python loop over layers; returns ``(x, per-layer sums of the update)``."""
+def _reference(params, x, rates, pattern=None, dropped=None):
+  """A Python loop over layers; returns ``(x, per-layer sums of the update)``.
+
+  ``dropped``: ``_dropped(rates)``, when drawn already (outside a jit).
+  """
   flat = st.unstack_params(params, "h", pattern=pattern)
-  dropped = _dropped(rates)
+  dropped = _dropped(rates) if dropped is None else dropped
   ys = []
   for i in range(L):
     if dropped[i]:
@@ -89,17 +94,24 @@ def _reference(params, x, rates, pattern=None):
   return x, jnp.stack(ys)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _ref_value_and_grad(params, rates, pattern, dropped):
+  """The reference's loss, outputs and gradients, jitted: its drops are Python
+  bools, drawn outside (one program for every stack it is compared with)."""
+  def ref_loss(params):
+    x, ys = _reference(params, X, rates, pattern, dropped)
+    return jnp.sum(jnp.sin(x)), (x, ys)
+  return jax.value_and_grad(ref_loss, has_aux=True)(params)
+
+
 def _check(model, params, rates, pattern=None, scan=False):
   def loss(params):
     out = model.apply(params, KEY, X)
     return jnp.sum(jnp.sin(out[0]) if scan else jnp.sin(out)), out
 
-  def ref_loss(params):
-    x, ys = _reference(params, X, rates, pattern)
-    return jnp.sum(jnp.sin(x)), (x, ys)
-
   (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  (ref_value, ref_out), ref_grads = jax.value_and_grad(ref_loss, has_aux=True)(params)
+  (ref_value, ref_out), ref_grads = _ref_value_and_grad(
+      params, tuple(rates), pattern, tuple(_dropped(rates)))
   # A sum of sines of every output: float32 sums in another order (another
   # CPU's vector width) differ by a few ulps of the sum; a layer dropped or
   # kept wrongly moves it by far more.
@@ -194,6 +206,18 @@ def test_a_dropped_layer_keeps_its_state():
 def test_bad_rates_are_named(layer_drop, error, message):
   with pytest.raises(error, match=message):
     _model(st.Stacked, layer_drop=layer_drop).init(KEY, X)
+
+
+def test_traced_rates_are_named():
+  # Once it failed with a generic message under jax.jit.
+  params = jax.eval_shape(_model(st.Stacked).init, KEY, X)
+  apply = lambda rates: _model(st.Stacked, layer_drop=rates).apply(params, KEY, X)  # noqa: E731
+  with pytest.raises(TypeError, match=r"^Stacked: layer_drop= was given a traced value "
+                     r"\(an array of shape \(6,\).*the rates are fixed when the stack is "
+                     r"built, so they must be concrete: Python floats or a numpy array"):
+    jax.eval_shape(apply, jnp.asarray(RATES))
+  # Concrete rates, closed over, trace.
+  assert jax.eval_shape(lambda: apply(np.asarray(RATES))).shape == X.shape
 
 
 def test_apply_without_an_rng_is_refused():

@@ -408,6 +408,37 @@ def test_name_nothing_tags_is_an_error():
     _residuals(policy, 8)
 
 
+def _tagging_step(carry, w):
+  h = st.checkpoint_name(jnp.tanh(carry @ w), "mlp_hidden")
+  # Tagged with JAX's own function: found too (through the jaxpr).
+  out = jax.ad_checkpoint.checkpoint_name(h @ w.T, "attn_out")
+  return carry + out
+
+
+@pytest.mark.parametrize("policy", [
+    st.CheckpointPolicy(save_block_internals=["mlp_hiden"]),
+    st.CheckpointPolicy(save_block_internals=["mlp_hiden"], nested=True),
+    st.CheckpointPolicy(offload_block_internals=["mlp_hiden"]),
+])
+def test_a_typo_in_a_saved_or_offloaded_name_lists_the_tags_and_suggests(policy):
+  ws = jnp.ones((4, 3, 3)) * 0.1
+  run = lambda c: jnp.sum(st.fold(_tagging_step, remat=policy)(c, ws))
+  with pytest.raises(ValueError, match=r"saves or offloads the block internals "
+                     r"\['mlp_hiden'\].*The block tags \['attn_out', 'mlp_hidden'\] "
+                     r"\('mlp_hiden': did you mean 'mlp_hidden'\?\)"):
+    jax.grad(run)(jnp.ones((2, 3)))
+
+
+def test_names_tagged_by_either_function_are_saved():
+  ws = jnp.ones((4, 3, 3)) * 0.1
+  reference = jax.grad(lambda c: jnp.sum(st.fold(_tagging_step)(c, ws)))(jnp.ones((2, 3)))
+  for names in (["mlp_hidden"], ["attn_out"], ["mlp_hidden", "attn_out"]):
+    policy = st.CheckpointPolicy(save_block_internals=names)
+    got = jax.grad(lambda c: jnp.sum(st.fold(_tagging_step, remat=policy)(c, ws)))(
+        jnp.ones((2, 3)))
+    np.testing.assert_allclose(got, reference, rtol=1e-6)
+
+
 def test_no_remat_keeps_more_than_full():
   none = _per_layer(_computed(_residuals(False, 8)), 8)
   full = _per_layer(_computed(_residuals("full", 8)), 8)
@@ -663,3 +694,35 @@ def test_nested_beats_full_when_layers_outweigh_carries():
     return compiled.memory_analysis().temp_size_in_bytes
 
   assert temp("nested") < 0.85 * temp("full")
+
+
+# ---------------------------------------------------------------------------
+# Typed PRNG keys as xs (they once broke remat="nested"), and numpy ints.
+
+
+def _noisy_step(carry, key):
+  return jnp.tanh(carry + jax.random.normal(key, carry.shape))
+
+
+def _noisy_loop(carry, keys):
+  for i in range(keys.shape[0]):
+    carry = _noisy_step(carry, keys[i])
+  return carry
+
+
+@pytest.mark.parametrize("remat", list(st.REMAT_ALIASES))
+def test_fold_over_typed_keys_every_alias(remat):
+  keys = jax.random.split(jax.random.key(0), 5)
+  init = jnp.linspace(-1.0, 1.0, 3)
+  loss = lambda fold: jax.jit(jax.value_and_grad(lambda c: jnp.sum(fold(c, keys) ** 2)))
+  value, grad = loss(st.fold(_noisy_step, remat=remat))(init)
+  ref_value, ref_grad = loss(_noisy_loop)(init)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-5)
+
+
+def test_numpy_ints_are_lengths_and_unrolls():
+  # Stacked, BlockSeq and layer_stack take them too (stacked_test.py).
+  ws = jnp.ones((3, D))
+  assert st.fold(lambda c, w: c * w, length=np.int64(3), unroll=np.int64(2))(
+      jnp.ones(D), ws).shape == (D,)

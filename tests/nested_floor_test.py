@@ -8,6 +8,8 @@ program's temp bytes (lowered and compiled, never run). Values and gradients
 are compared with the same stack without checkpointing.
 """
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ class Residual(hk.Module):
     return x + hk.Linear(x.shape[-1], name="fc2")(jnp.tanh(hk.Linear(x.shape[-1], name="fc1")(x)))
 
 
+@functools.cache   # (64, "nested") serves two tests
 def _temp_bytes(num_layers, remat=None, *, layer_stack=False):
   def model(x):
     if layer_stack:
@@ -66,8 +69,11 @@ class Noisy(hk.Module):
     return x + h, jnp.sum(h, axis=-1)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("nested,num_layers", [((2, 2), 11), ((2, 3), 12), ((3,), 10)])
+# Three levels with a remainder (11 = 2 * 2 * 2 + 3), without one (12), and a
+# one-level tuple (two levels); reversed once, with the remainder: loops_test
+# runs three levels both ways for every unroll, against a Python loop.
+@pytest.mark.parametrize("nested,num_layers,reverse", [
+    ((2, 2), 11, False), ((2, 2), 11, True), ((2, 3), 12, False), ((3,), 10, False)])
 def test_three_levels_match_no_remat(nested, num_layers, reverse):
   def model(x, scales, remat):
     stack = st.Stacked(Noisy, num_layers, remat=remat, reverse=reverse, name="h")
@@ -104,11 +110,17 @@ def test_grad_of_grad_and_hessian_through_nested():
     return jnp.sum(st.fold(lambda h, w: jnp.tanh(h * w), remat=remat)(h, w) ** 2)
 
   w, h = jnp.linspace(0.1, 1.0, 9), jnp.linspace(0.5, 1.5, 3)
+
+  @functools.partial(jax.jit, static_argnums=0)   # one program per policy
+  def both(remat):
+    grad_of_grad = jax.grad(lambda w: jnp.sum(jax.grad(loss)(w, h, remat) ** 2))(w)
+    return grad_of_grad, jax.hessian(loss)(w, h, remat)
+
+  want = both("none")
   for remat in ("nested", st.CheckpointPolicy(nested=(2, 2))):
-    grad_of_grad = lambda r: jax.grad(lambda w: jnp.sum(jax.grad(loss)(w, h, r) ** 2))(w)
-    np.testing.assert_allclose(grad_of_grad(remat), grad_of_grad("none"), rtol=1e-5)
-    np.testing.assert_allclose(jax.hessian(loss)(w, h, remat),
-                               jax.hessian(loss)(w, h, "none"), rtol=1e-5, atol=1e-6)
+    got = both(remat)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
 
 
 def test_an_unread_output_with_an_infinite_derivative_gives_no_nan():

@@ -9,6 +9,8 @@ mixed-layer). Compositions (``optax.chain``, ``optax.masked``,
 without ``over_layers``: Adam is elementwise, so the two agree.
 """
 
+import functools
+import os
 import subprocess
 import sys
 
@@ -34,6 +36,7 @@ def _block_b():
   return lambda x: x + jax.nn.relu(hk.Linear(D + 2, name="up")(x))[..., :D]
 
 
+@functools.cache   # JAX arrays are immutable: every test may share one init
 def _params(pattern=None, num_layers=L):
   def model(x):
     x = hk.Linear(D, name="embed")(x)
@@ -47,12 +50,18 @@ def _params(pattern=None, num_layers=L):
 
 
 def _grads(params, steps=STEPS):
-  """A different random gradient per step (shapes of ``params``)."""
+  """A different random gradient per step (shapes of ``params``): the same
+  list each time for the same shapes."""
+  leaves, tree = jax.tree.flatten(params)
+  return _grads_of(tree, tuple(a.shape for a in leaves), steps)
+
+
+@functools.cache
+def _grads_of(tree, shapes, steps):
   out = []
   for s in range(steps):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(100 + s), len(leaves))
-    out.append(tree.unflatten([jax.random.normal(k, a.shape) for k, a in zip(keys, leaves)]))
+    keys = jax.random.split(jax.random.PRNGKey(100 + s), len(shapes))
+    out.append(tree.unflatten([jax.random.normal(k, shape) for k, shape in zip(keys, shapes)]))
   return out
 
 
@@ -62,6 +71,13 @@ def _run(tx, params, grads):
     updates, state = tx.update(g, state, params)
     params = optax.apply_updates(params, updates)
   return params, state
+
+
+@functools.cache
+def _plain_reference(name):
+  """``_reference`` of ``TRANSFORMS[name]`` on the plain stack (two tests use Muon's)."""
+  params = _params()
+  return _reference(TRANSFORMS[name], params, _grads(params))
 
 
 def _reference(make_tx, params, grads, pattern=None, scale=None):
@@ -107,7 +123,8 @@ def test_plain_stack_equals_one_optimizer_per_layer(name):
   grads = _grads(params)
   make = {**TRANSFORMS, **ELEMENTWISE}[name]
   got, state = _run(st.over_layers(make(), stacked=["h"]), params, grads)
-  _assert_close(got, _reference(make, params, grads))
+  _assert_close(got, _plain_reference(name) if name in TRANSFORMS
+                else _reference(make, params, grads))
   # Every state leaf of the stack leads with its layers.
   for leaf in jax.tree.leaves(state.layers["h"]):
     assert leaf.shape[0] == L
@@ -129,7 +146,7 @@ def test_mixed_layer_stack_equals_one_optimizer_per_layer(name):
 def test_muon_on_the_stacked_tensor_is_another_optimizer():
   params = _params()
   grads = _grads(params)
-  want = _reference(MUON, params, grads)
+  want = _plain_reference("muon")
   per_layer, _ = _run(st.over_layers(MUON(), stacked=["h"]), params, grads)
   # Muon's default: a 3-D leaf is not a matrix, so it gets AdamW instead.
   default, _ = _run(MUON(), params, grads)
@@ -247,6 +264,34 @@ def test_mistakes_are_named_at_init(kwargs, message):
 def test_mistakes_are_named_when_built(kwargs, error, message):
   with pytest.raises(error, match=message):
     st.over_layers(optax.adam(0.1), **kwargs)
+
+
+def _scaled_update(scale):
+  params = {"h/linear": {"w": jnp.ones((4, 2, 2))}}
+  tx = st.over_layers(optax.sgd(1.0), stacked=["h"], scale=scale)
+  return tx.update(params, tx.init(params), params)[0]["h/linear"]["w"][:, 0, 0]
+
+
+def test_scale_returning_an_array_is_named():
+  # Once it failed with JAX's message.
+  with pytest.raises(TypeError, match=r"^over_layers: scale= returned an array of shape "
+                     r"\(4,\) for layer 0 of 'h', not one number: it is called once per "
+                     r"layer.*pass the sequence itself, scale=\[\.\.\.\]"):
+    _scaled_update(lambda i: jnp.full(4, 0.5) ** i)
+  # One number each (a 0-d array too) is fine: the update is -scale(i).
+  np.testing.assert_allclose(_scaled_update(lambda i: jnp.float32(0.5) ** i),
+                             [-1.0, -0.5, -0.25, -0.125])
+
+
+@pytest.mark.jax_independent
+def test_the_docs_say_that_only_a_patterns_counts_are_checked():
+  # A pattern's order is not in the parameters; over_layers once did not say so.
+  said = "not the order of the kinds, so only the counts are checked"
+  assert said in " ".join(st.over_layers.__doc__.split())
+  guide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "docs", "guides", "training-rules.md")
+  with open(guide, encoding="utf-8") as f:
+    assert said in " ".join(f.read().split())
 
 
 def test_a_blockseq_layout_is_refused():

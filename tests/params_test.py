@@ -10,6 +10,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import stacktools as st
@@ -259,3 +260,63 @@ def test_unstack_scalar_leaf():
   with pytest.raises(ValueError, match=r"unstack_params: h/a/step is a scalar; every "
                      r"leaf under 'h' needs a leading Layers axis"):
     st.unstack_params(params, "h")
+
+
+def test_unstack_params_twice_is_refused():
+  # Once it returned a wrong tree.
+  params = {"m/h/block/linear": {"w": np.ones((D, D, D), np.float32)},
+            "m/embed": {"embeddings": np.ones((5, D), np.float32)}}
+  unstacked = st.unstack_params(params, "m/h")
+  assert sorted(unstacked) == ["m/embed"] + [f"m/h/layer_{i}/block/linear" for i in range(D)]
+  with pytest.raises(ValueError, match=r"under 'm/h' look unstacked already.*"
+                     r"m/h/layer_<i>/\.\.\. for layers 0\.\.3.*st\.stack_params"):
+    st.unstack_params(unstacked, "m/h")
+
+
+# ---------------------------------------------------------------------------
+# What reads a stack's layout (unstack_params, take_layers, over_layers): a
+# mixed-layer stack without its pattern, a module that is not a stack.
+
+
+def _mixed_params(counts):
+  """Kinds' stacks under h (``{kind: layers}``), and an unstacked head."""
+  return {f"h/{kind}/linear": {"w": np.arange(c * 4.0).reshape(c, 2, 2) + 100 * k}
+          for k, (kind, c) in enumerate(counts.items())} | {
+              "head": {"w": np.ones((3, 5)), "b": np.zeros(5)}}
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda p: st.over_layers(optax.sgd(1.0), stacked=["h"]).init(p),
+     r"stacked=\{'h': pattern\}"),
+    (lambda p: st.take_layers(p, "h", [0, 1]), "pattern="),
+    (lambda p: st.unstack_params(p, "h"), "pattern="),
+], ids=["over_layers", "take_layers", "unstack_params"])
+def test_a_mixed_stack_whose_kinds_disagree_asks_for_its_pattern(call, arg):
+  # Once it said only that the leaves disagree.
+  params = _mixed_params({"A": 4, "B": 2})   # pattern AAB over 6 layers
+  with pytest.raises(ValueError, match=r"the leaves under 'h' disagree on the Layers "
+                     r"axis: .*Each of \['A', 'B'\] has a Layers axis of its own, as the "
+                     rf"kinds of a mixed-layer stack.*do: pass the pattern the stack was "
+                     rf"built with as {arg}"):
+    call(params)
+  state = st.over_layers(optax.sgd(1.0, momentum=0.9), stacked={"h": "AAB"}).init(params)
+  assert state.layers["h/A"][0].trace["h/A/linear"]["w"].shape == (4, 2, 2)
+
+
+@pytest.mark.parametrize("call, subject, fix", [
+    (lambda p: st.over_layers(optax.sgd(1.0), stacked=["head"]).init(p), "over_layers",
+     "Pass as stacked= only the full name that a st.Stacked or st.layer_stack was "
+     "given (e.g. 'model/h'); leaves under no stack go to the optimizer as they are, "
+     "so drop it from stacked=."),
+    (lambda p: st.take_layers(p, "head", [0]), "take_layers", "Pass as name= only"),
+    (lambda p: st.unstack_params(p, "head"), "unstack_params", "Pass as prefix= only"),
+], ids=["over_layers", "take_layers", "unstack_params"])
+def test_a_module_that_is_not_a_stack_is_named_so(call, subject, fix):
+  params = _mixed_params({"A": 2, "B": 2})
+  with pytest.raises(ValueError) as info:
+    call(params)
+  message = str(info.value)
+  assert message.startswith(f"{subject}: 'head' is not a stack: a stack's leaves all "
+                            "lead with its Layers axis (num_layers), but head/b has 5 "
+                            "rows and head/w 3."), message
+  assert fix in message, message

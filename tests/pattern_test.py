@@ -15,9 +15,6 @@ depth, every depth at one alias, both directions, and per_depth segments that
 cut a period. Each case is one jitted program.
 """
 
-import os
-import sys
-
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -394,49 +391,54 @@ def test_param_rewrites_need_the_stacks_pattern():
     st.stack_params(unstacked, "h", pattern=P5)
 
 
-# ---------------------------------------------------------------------------
-# The GPT example: sliding-window local layers and per-kind KV caches.
+def _layout(cls, make_block, num_layers, pattern):
+  f = hk.transform(lambda x: cls(make_block, num_layers, pattern=pattern, name="h").fold(x))
+  return jax.eval_shape(f.init, KEY, X)
 
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from examples.gpt import model as gpt  # pylint: disable=g-import-not-at-top,wrong-import-position
+def _scaled(scale):
+  return lambda: (lambda x: x + scale * hk.Linear(D)(x))
 
 
-def test_gpt_pattern_decoding_matches_forward():
-  """Ring caches for local layers, full ones for global: the forward's logits."""
-  cfg = gpt.GPTConfig(vocab_size=11, seq_len=12, num_layers=5, num_heads=2,
-                      d_model=8, pattern="LLG", window=3, remat="full")
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
-  fwd = hk.without_apply_rng(hk.transform(lambda t: gpt.forward(cfg, t)[0]))
-  dec = hk.without_apply_rng(hk.transform(lambda t, c, p: gpt.decode(cfg, t, c, p)))
-  params = random_like(jax.eval_shape(fwd.init, KEY, tokens))
-  assert {k.split("/")[1] for k in params if k.startswith("h/")} == {"local", "global"}
-  cache = gpt.init_cache(cfg, 2)
-  assert jax.tree.map(jnp.shape, cache) == {
-      "local": {"k": (4, 2, 2, 3, 4), "v": (4, 2, 2, 3, 4)},
-      "global": {"k": (1, 2, 2, 12, 4), "v": (1, 2, 2, 12, 4)}}
-
-  full = _jit(fwd.apply, params, tokens)
-  logits, cache = _jit(dec.apply, params, tokens[:, :5], cache, 0)  # a prefill > window
-  step = jax.jit(dec.apply).lower(params, tokens[:, :1], cache, 5).compile(FAST)
-  decoded = [logits]
-  for pos in range(5, 12):
-    logits, cache = step(params, tokens[:, pos:pos + 1], cache, pos)
-    decoded.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(decoded, axis=1), full, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
+def test_a_factory_no_layer_uses_is_an_error(cls):
+  # Once accepted in silence.
+  blocks = {"A": _scaled(1.0), "B": _scaled(0.5), "C": _scaled(0.25)}
+  with pytest.raises(ValueError, match=rf"^{cls.__name__}: make_block\['C'\] is the "
+                     r"factory of a kind that pattern=\('A', 'B'\) never names, so it "
+                     r"has 0 layers"):
+    _layout(cls, blocks, 6, "AB")
 
 
-def test_benchmark_script_quick(tmp_path):
-  """benchmarks/mixed_layers.py runs (--quick) and reports what the README reads."""
-  from benchmarks import mixed_layers  # pylint: disable=g-import-not-at-top
-  result = mixed_layers.main(["--quick", "--results_dir", str(tmp_path), "--no_plot"])
-  summary = result["summary"]
-  assert summary["values_and_gradients"]["met"] is True
-  assert summary["values_and_gradients"]["cases"] == 1
-  assert summary["compile_cpu"]["ratio"] > 0 and isinstance(summary["compile_cpu"]["met"], bool)
-  # 6 and 12 layers: one and two whole periods (fewer than 6 would leave the
-  # pattern's global kind without a layer); the full run: 12, 24, 48.
-  assert summary["memory_full"]["one_block_carries_per_layer"] == pytest.approx(1.0)
-  kv = summary["kv_cache"]
-  assert kv["pattern_LLLG_bytes"] < kv["all_global_bytes"]
-  assert (tmp_path / "mixed_layers.json").exists()
+@pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
+def test_a_kind_with_no_layer_is_an_error(cls):
+  # Once accepted in silence.
+  blocks = {"A": _scaled(1.0), "B": _scaled(0.5)}
+  with pytest.raises(ValueError, match=rf"^{cls.__name__}: num_layers=2 ends before "
+                     r"the first 'B' layer of pattern=\('A', 'A', 'B'\), so the kind "
+                     r"'B' has 0 layers \(layer counts: \{'A': 2, 'B': 0\}\).*"
+                     r"num_layers >= 3"):
+    _layout(cls, blocks, 2, "AAB")
+  # From its first layer on, it has one.
+  shapes = _layout(cls, blocks, 3, "AAB")
+  layer = "h/B/linear" if cls is st.Stacked else "h/layer_2/linear"
+  assert shapes[layer]["w"].shape[-2:] == (D, D)
+
+
+def test_stack_params_with_another_pattern_suggests_the_pattern():
+  # Once it reported missing layers without a word about the pattern.
+  blocks = {"A": lambda: (lambda x: x + hk.Linear(D, name="a")(x)),
+            "B": lambda: (lambda x: x * hk.Linear(D, name="b")(x))}
+  f = hk.transform(lambda x: st.Stacked(blocks, 6, pattern="AAB", name="h").fold(x))
+  params = random_like(jax.eval_shape(f.init, KEY, X))
+  unstacked = st.unstack_params(params, "h", pattern="AAB")
+  # The layout by hand: layers 0, 1, 3, 4 are A's, 2 and 5 B's.
+  assert sorted(k for k in unstacked if k.endswith("/a")) == [
+      f"h/layer_{i}/a" for i in (0, 1, 3, 4)]
+  with pytest.raises(ValueError, match=r"h/layer_<i>/a is missing for layers \[2, 5\] "
+                     r"of 0\.\.5.*pattern=\('A', 'B', 'B'\) makes layers \[1, 2, 4, 5\] "
+                     r"'B' layers.*If the layers were built with another pattern, pass "
+                     r"that one"):
+    st.stack_params(unstacked, "h", pattern="ABB")
+  restacked = st.stack_params(unstacked, "h", pattern="AAB")
+  jax.tree.map(np.testing.assert_array_equal, restacked, params)

@@ -101,32 +101,46 @@ def reference(num_layers: int, x):
   return params, loss, grads
 
 
+#: (mesh, schedule, microbatches) of equality_cases: each schedule on every
+#: mesh, with fewer microbatches than stages (M < P; for circular, an error),
+#: as many (M = P) and more (M > P), at M = 4 and 8. (The schedules' tables
+#: themselves are checked for a grid of (P, M, repeats) in pipeline_test.py,
+#: without devices.)
+EQUALITY_RUNS = (
+    ("pipe:8", "gpipe", 4), ("pipe:4,data:2", "gpipe", 4),
+    ("pipe:2,fsdp:2,data:2", "gpipe", 8),
+    ("pipe:8", "circular", 4), ("pipe:8", "circular", 8),
+    ("pipe:4,data:2", "circular", 8), ("pipe:2,fsdp:2,data:2", "circular", 4),
+)
+
+
 def equality_cases() -> dict:
-  """Meshes x schedules x microbatches: loss and gradients against the plain stack."""
+  """Meshes x schedules x microbatches (EQUALITY_RUNS): loss and gradients
+  against the plain stack."""
   out = {}
   x = inputs()
   num_layers = 16
   params, ref_loss, ref_grads = reference(num_layers, x)
-  for mesh_name, sizes in MESHES.items():
+  for mesh_name, schedule, micro in EQUALITY_RUNS:
+    sizes = MESHES[mesh_name]
     mesh = make_mesh(sizes)
-    for schedule, repeats in (("gpipe", 1), ("circular", 2)):
-      for micro in (4, 8):
-        name = f"{mesh_name} {schedule} M={micro}"
-        pipe = st.Pipeline(microbatches=micro, schedule=schedule, repeats=repeats)
-        piped = model(num_layers, pipe)
-        try:
-          with jax.set_mesh(mesh):
-            p = sharded(params, mesh)
-            loss, grads = jax.jit(jax.value_and_grad(piped.apply))(p, x)
-          out[name] = {"loss": float(loss), "ref_loss": float(ref_loss),
-                       "grad_max_rel": max_rel(grads, ref_grads),
-                       "grads_allclose": allclose(grads, ref_grads),
-                       "loss_allclose": allclose(loss, ref_loss),
-                       "param_fraction": per_device_fraction(p),
-                       "grad_fraction": per_device_fraction(grads),
-                       "stages": sizes["pipe"], "fsdp": sizes.get("fsdp", 1)}
-        except ValueError as e:
-          out[name] = {"error": str(e)}
+    repeats = 2 if schedule == "circular" else 1
+    name = f"{mesh_name} {schedule} M={micro}"
+    pipe = st.Pipeline(microbatches=micro, schedule=schedule, repeats=repeats)
+    piped = model(num_layers, pipe)
+    try:
+      with jax.set_mesh(mesh):
+        p = sharded(params, mesh)
+        loss, grads = jax.jit(jax.value_and_grad(piped.apply))(p, x)
+      out[name] = {"loss": float(loss), "ref_loss": float(ref_loss),
+                   "grad_max_rel": max_rel(grads, ref_grads),
+                   "grads_allclose": allclose(grads, ref_grads),
+                   "loss_allclose": allclose(loss, ref_loss),
+                   "param_fraction": per_device_fraction(p),
+                   "grad_fraction": per_device_fraction(grads),
+                   "stages": sizes["pipe"], "fsdp": sizes.get("fsdp", 1)}
+    except ValueError as e:
+      out[name] = {"error": str(e)}
   return out
 
 
@@ -409,6 +423,12 @@ def compare(loss, grads, ref_loss, ref_grads) -> dict:
 # The schedules that compute the loss inside the pipeline, and the repeats
 # each runs with here (interleaved: two chunks per stage).
 LOSS_SCHEDULES = {"1f1b": 1, "interleaved": 2, "zb": 1}
+# The schedules run under every remat alias. A chunk's backward is one vjp
+# of its forward (the stack's policy inside) under 1f1b, and two (to the
+# input, then to the weights) under zb; interleaved runs 1f1b's backward on
+# more chunks per stage, which changes which slot and chunk an op reads, not
+# how the policy is applied, so it runs with "full" only.
+ALIAS_SWEEPS = ("1f1b", "zb")
 
 
 def loss_pipeline(schedule: str, micro: int) -> st.Pipeline:
@@ -419,8 +439,8 @@ def loss_schedule_cases(schedule: str) -> dict:
   """Loss and gradients against the plain stack (``remat="none"``, one device).
 
   A fold block on pipe:4,data:2 with M=8 > P (the steady state, a data axis
-  inside the stages) and, on the smallest mesh (pipe:2, M=2), every remat
-  alias; a scan block with per-layer and broadcast arguments on
+  inside the stages) and, for the schedules of ALIAS_SWEEPS on the smallest
+  mesh (pipe:2, M=2), every remat alias; a scan block with per-layer and broadcast arguments on
   pipe:2,fsdp:2,data:2; Haiku state; rng. Each pipelined program is a
   compile of its own, so the larger meshes take one alias each.
   """
@@ -429,7 +449,9 @@ def loss_schedule_cases(schedule: str) -> dict:
   plain = loss_model(8, None, remat="none")
   params = plain.init(jax.random.PRNGKey(0), inp, tgt)
   ref = jax.jit(jax.value_and_grad(plain.apply))(params, inp, tgt)
-  runs = [({"pipe": 4, "data": 2}, 8, "full")] + [({"pipe": 2}, 2, r) for r in st.REMAT_ALIASES]
+  runs = [({"pipe": 4, "data": 2}, 8, "full")]
+  if schedule in ALIAS_SWEEPS:
+    runs += [({"pipe": 2}, 2, r) for r in st.REMAT_ALIASES]
   for sizes, micro, remat in runs:
     name = ",".join(f"{k}:{v}" for k, v in sizes.items()) + f" M={micro} remat={remat}"
     mesh = make_mesh(sizes)
@@ -530,36 +552,8 @@ def _loss_schedule_rng(schedule, inp, tgt) -> dict:
   return dict(compare(*got, *ref), key_matters=bool(abs(float(got[0] - other[0])) > 1e-6))
 
 
-def memory_case() -> dict:
-  """Compiled temp bytes per device of the GPT example's train-step gradient on
-  pipe:4 under 1f1b, at M = 4 and 32 microbatches of 2 sequences (GPipe's,
-  which grow with M, are in benchmarks/pipeline.py)."""
-  from examples.gpt import model as gpt  # pylint: disable=import-outside-toplevel
-  mesh = make_mesh({"pipe": 4})
-  out = {}
-  for schedule in ("1f1b",):
-    for micro in (4, 32):
-      cfg = gpt.GPTConfig(vocab_size=65, seq_len=32, num_layers=8, num_heads=4, d_model=64,
-                          remat="full",
-                          pipeline=st.Pipeline(microbatches=micro, schedule=schedule))
-      f = hk.without_apply_rng(hk.transform(lambda t, cfg=cfg: gpt.loss_fn(cfg, t)[0]))
-      toks = jnp.zeros((2 * micro, cfg.seq_len + 1), jnp.int32)
-      params = jax.eval_shape(f.init, jax.random.PRNGKey(0), toks)
-      with jax.set_mesh(mesh):
-        params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p),
-                              params, _shardings(params, mesh))
-        compiled = jax.jit(jax.value_and_grad(f.apply)).lower(params, toks).compile()
-      out[f"{schedule} M={micro}"] = compiled.memory_analysis().temp_size_in_bytes
-  return out
-
-
-def _shardings(params, mesh):
-  specs = st.stacked_partition_specs(params, mesh, stacked=["h"], pipelined=["h"])
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-
-
 CASES = {**{schedule: functools.partial(loss_schedule_cases, schedule)
-            for schedule in LOSS_SCHEDULES}, "memory": memory_case,
+            for schedule in LOSS_SCHEDULES},
          "equality": equality_cases, "remat": remat_cases, "scan": scan_case,
          "state": state_case, "rng": rng_case, "errors": error_cases}
 

@@ -1,4 +1,5 @@
-"""Tests for stacktools.policy: CheckpointPolicy, its aliases, checkpoint_name.
+"""Tests for stacktools.policy: CheckpointPolicy, its aliases, checkpoint_name,
+and the string form of st.per_depth.
 
 Each test compares against an independent reference: the explicit
 CheckpointPolicy an alias stands for, the equations of ``jax.make_jaxpr``, or
@@ -7,6 +8,7 @@ the residuals ``jax.ad_checkpoint`` says the backward pass keeps.
 
 import re
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,6 +190,25 @@ def test_nested_numpy_int_becomes_int():
   assert policy.nested == 4 and type(policy.nested) is int
 
 
+def test_an_outer_size_larger_than_the_loop_is_an_error():
+  # Once silently clamped; now each loop says its length and the range.
+  policy = st.CheckpointPolicy(nested=100)
+  with pytest.raises(ValueError, match=r"nested=100\) asks for 100 outer chunks, "
+                     r"but the loop has only 5 steps.*between 1 and 5"):
+    st.fold(lambda c, x: c + x, remat=policy)(jnp.zeros(3), jnp.ones((5, 3)))
+  for cls in (st.Stacked, st.BlockSeq):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: CheckpointPolicy"
+                       r"\(nested=7\).*only 2 steps"):
+      hk.transform(lambda x, cls=cls: cls(
+          lambda: (lambda x: x + hk.Linear(3)(x)), 2,
+          remat=st.CheckpointPolicy(nested=7)).fold(x)).init(
+              jax.random.PRNGKey(0), jnp.ones((1, 3)))
+  with pytest.raises(ValueError, match=r"between 1 and 5"):
+    st.CheckpointPolicy(nested=6).nested_split(5)
+  # The outer size equal to the length is fine: one step per chunk.
+  assert st.CheckpointPolicy(nested=5).nested_split(5) == (5, 1, 0)
+
+
 @pytest.mark.parametrize("field", ["save_block_internals",
                                    "offload_block_internals"])
 @pytest.mark.parametrize("name", ["stacktools_carry", "stacktools_input"])
@@ -364,3 +385,27 @@ def test_checkpoint_step_values_and_grads_match_step():
     got = jax.grad(loss(wrapped), argnums=(0, 1))(carry, x)
     np.testing.assert_allclose(got[0]["h"], want[0]["h"], rtol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# st.per_depth's string form: the separator is a comma.
+
+
+@pytest.mark.parametrize("spec,sep,fixed", [
+    ("none:2;full:2", ";", "none:2,full:2"),
+    ("none:2 full:2", " ", "none:2,full:2"),
+    ("none:1 / full:2/nested:1", "/", "none:1,full:2,nested:1"),
+])
+def test_per_depth_with_another_separator_shows_the_spec_with_commas(spec, sep, fixed):
+  # Once reported as an unknown policy.
+  with pytest.raises(ValueError, match=None) as info:
+    st.per_depth(spec)
+  message = str(info.value)
+  assert message.startswith(f"st.per_depth({spec!r}): segments are separated by "
+                            f"commas, not {sep!r}: write {fixed!r}"), message
+  assert str(st.per_depth(fixed)) == fixed
+
+
+def test_per_depth_unknown_alias_is_still_named():
+  with pytest.raises(ValueError, match=r"'bogus' is not a checkpoint policy"):
+    st.per_depth("none:2,bogus:2")

@@ -16,6 +16,8 @@ import pytest
 
 import stacktools
 
+pytestmark = pytest.mark.jax_independent   # see pytest.ini
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_PUBLIC_NAMES = 20
 USER_CODE = ("examples", "benchmarks")

@@ -1,8 +1,9 @@
 """Tests for stacktools/sharding.py: FSDP PartitionSpecs that keep Layers axes whole.
 
 Pure and fast: only shapes (``jax.eval_shape``), no compiles, one CPU device.
-The reference is a hand-written table of the spec each parameter of a small
-GPT (examples/gpt/model.py) must get, derived from the rule stated in the
+The reference is a hand-written table of the spec each parameter of the
+tests' small transformer (``haiku_helpers.transformer``, with the GPT
+example's module names) must get, derived from the rule stated in the
 module docstring: shard the largest axis that the FSDP size divides, never a
 Layers axis (last axis among equals); replicate when none divides.
 
@@ -23,16 +24,17 @@ from jax.sharding import PartitionSpec as P
 
 import stacktools as st
 from stacktools import sharding
-from examples.gpt import model as model_lib
+
+from haiku_helpers import Tiny, transformer
 
 F = "fsdp"
 FSDP = 4
-CFG = model_lib.GPTConfig(vocab_size=12, seq_len=8, num_layers=4, num_heads=2, d_model=6)
+CFG = Tiny(vocab=12, seq_len=8, num_layers=4, heads=2, width=6)
 
 # The hand-written expectation for CFG with fsdp=4 (shapes in the comments).
 # Stacked leaves have a leading Layers axis of 4, which 4 divides but which
 # must never be sharded; 6 and 18 = 3 * 6 are not divisible by 4.
-GPT_EXPECTED = {
+EXPECTED = {
     "h/block/attn/qkv": {"w": P(), "b": P()},        # (4, 6, 18), (4, 18)
     "h/block/attn/proj": {"w": P(), "b": P()},       # (4, 6, 6), (4, 6)
     "h/block/fc": {"w": P(None, None, F),            # (4, 6, 24)
@@ -48,9 +50,8 @@ GPT_EXPECTED = {
 }
 
 
-def gpt_param_shapes(cfg=CFG):
-  forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
-  return jax.eval_shape(forward.init, jax.random.PRNGKey(0),
+def param_shapes(cfg=CFG):
+  return jax.eval_shape(transformer(cfg).init, jax.random.PRNGKey(0),
                         jnp.zeros((2, cfg.seq_len), jnp.int32))
 
 
@@ -83,22 +84,22 @@ def assert_specs_equal(actual, expected, shapes):
 
 
 # ---------------------------------------------------------------------------
-# The GPT model's parameters and optimizer state.
+# A transformer's parameters and optimizer state.
 
 
-def test_gpt_params_match_the_hand_written_specs():
-  shapes = gpt_param_shapes()
+def test_params_match_the_hand_written_specs():
+  shapes = param_shapes()
   assert shapes_of(shapes)["h/block/fc_out"]["w"] == (4, 24, 6)  # the table's premise
   specs = st.stacked_partition_specs(shapes, fsdp_size=FSDP, stacked=["h"])
-  assert_specs_equal(specs, GPT_EXPECTED, shapes)
+  assert_specs_equal(specs, EXPECTED, shapes)
   # Through a mesh: the fsdp axis's size is read from it.
   mesh = AbstractMesh((2, FSDP), ("data", "fsdp"))
   assert_specs_equal(st.stacked_partition_specs(shapes, mesh, stacked="h"),
-                     GPT_EXPECTED, shapes)
+                     EXPECTED, shapes)
 
 
 def test_layers_axis_is_never_sharded():
-  shapes = gpt_param_shapes()
+  shapes = param_shapes()
   specs = st.stacked_partition_specs(shapes, fsdp_size=FSDP, stacked=["h"])
   for module, leaves in specs.items():
     for name, spec in leaves.items():
@@ -111,7 +112,7 @@ def test_layers_axis_is_never_sharded():
 
 
 def test_adamw_moments_get_the_param_specs_and_counts_are_replicated():
-  shapes = gpt_param_shapes()
+  shapes = param_shapes()
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(schedule, weight_decay=0.01))
@@ -119,8 +120,8 @@ def test_adamw_moments_get_the_param_specs_and_counts_are_replicated():
   specs = st.stacked_partition_specs(opt_shapes, fsdp_size=FSDP, stacked=["h"])
   adam = specs[1][0]
   assert isinstance(adam, optax.ScaleByAdamState)
-  assert_specs_equal(adam.mu, GPT_EXPECTED, shapes)
-  assert_specs_equal(adam.nu, GPT_EXPECTED, shapes)
+  assert_specs_equal(adam.mu, EXPECTED, shapes)
+  assert_specs_equal(adam.nu, EXPECTED, shapes)
   # Everything else (step counts) is a scalar, replicated.
   counts = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(opt_shapes)[0]
             if not any(getattr(k, "name", None) in ("mu", "nu") for k in path)]
@@ -133,7 +134,7 @@ def test_adamw_moments_get_the_param_specs_and_counts_are_replicated():
 
 
 def test_fsdp_size_one_or_no_fsdp_axis_replicates_everything():
-  shapes = gpt_param_shapes()
+  shapes = param_shapes()
   devices = np.asarray(jax.devices()[:1])
   meshes = [Mesh(devices.reshape(1, 1), ("data", "fsdp")),   # fsdp of size 1
             Mesh(devices.reshape(1), ("data",)),             # no fsdp axis at all
@@ -151,6 +152,29 @@ def test_fsdp_size_one_or_no_fsdp_axis_replicates_everything():
 def test_needs_a_mesh_or_a_size():
   with pytest.raises(ValueError, match="mesh or fsdp_size"):
     st.stacked_partition_specs({"m": {"w": jnp.zeros(4)}})
+
+
+def _two_modules():
+  return {"h/block/linear": {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)},
+          "embed": {"embeddings": jax.ShapeDtypeStruct((16, 8), jnp.float32)}}
+
+
+def test_an_fsdp_axis_the_mesh_lacks_is_an_error():
+  # Once it replicated everything, silently.
+  mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+  with pytest.raises(ValueError, match=r"fsdp_axis='fdsp' is not an axis of the "
+                     r"mesh, whose axes are \['data', 'fsdp'\]"):
+    st.stacked_partition_specs(_two_modules(), mesh, stacked=["h"], fsdp_axis="fdsp")
+  specs = st.stacked_partition_specs(_two_modules(), mesh, stacked=["h"], fsdp_axis="fsdp")
+  assert specs["h/block/linear"]["w"] == P(None, None, "fsdp")
+
+
+def test_a_stack_name_no_parameter_lies_under_is_an_error():
+  # Once it sharded the stack's Layers axis, silently.
+  mesh = AbstractMesh((4,), ("fsdp",))
+  with pytest.raises(ValueError, match=r"stacked=\['hh'\] names 'hh', but no "
+                     r"parameter lies under it.*\['embed', 'h/block/linear'\]"):
+    st.stacked_partition_specs(_two_modules(), mesh, stacked=["hh"])
 
 
 # ---------------------------------------------------------------------------

@@ -682,3 +682,146 @@ def test_carry_cannot_be_per_layer(cls):
   with pytest.raises(TypeError, match=r"the carry x cannot be per_layer"):
     _in_transform(lambda x: cls(lambda: lambda x: x, N).fold(st.per_layer(x)),
                   random_x((N, D)))
+
+
+@pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
+def test_a_module_instance_instead_of_a_factory(cls):
+  with pytest.raises(TypeError, match=rf"{cls.__name__} got a module instance, "
+                     r"Linear.*pass a factory \(a class or a lambda\)"):
+    _in_transform(lambda x: cls(hk.Linear(D), N).fold(x), random_x())
+
+
+@pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
+def test_a_policy_naming_a_value_no_block_tags_is_an_error(cls):
+  # Once it saved nothing, silently.
+  class Tagged(hk.Module):
+    def __call__(self, x):
+      return x + st.checkpoint_name(hk.Linear(D)(x), "proj")
+
+  policy = st.CheckpointPolicy(save_block_internals=["proj", "prj"])
+  with pytest.raises(ValueError, match=r"\['prj'\].*The block tags \['proj'\]"):
+    _in_transform(lambda x: cls(Tagged, N, remat=policy, name="h").fold(x), random_x())
+
+
+# ---------------------------------------------------------------------------
+# Parameters of another depth: refused, naming the stack and the fix.
+
+
+def _residual():
+  return lambda x: x + hk.Linear(3)(x)
+
+
+def _depth_models():
+  """Stacks of ``n`` layers (``n`` given later), each of a kind the check reads."""
+  def stacked(n, **kw):
+    return hk.transform(lambda x: st.Stacked(_residual, n, name="h", **kw).fold(x))
+
+  def nested(n):
+    inner = lambda: (lambda x: st.Stacked(_residual, n, name="inner").fold(x))  # noqa: E731
+    return hk.transform(lambda x: st.Stacked(inner, 2, name="h").fold(x))
+
+  return {
+      "stacked": stacked,
+      "nested_remat": lambda n: stacked(n, remat="nested"),
+      "layer_stack": lambda n: hk.transform(lambda x: st.layer_stack(n, name="h")(
+          lambda x: x + hk.Linear(3)(x))(x)),
+      "mixed": lambda n: hk.transform(lambda x: st.Stacked(
+          {"A": _residual, "B": _residual}, n, pattern="AB", name="h").fold(x)),
+      "nested": nested,
+  }
+
+
+@pytest.mark.parametrize("kind", sorted(_depth_models()))
+@pytest.mark.parametrize("made, want", [(6, 2), (2, 6)])
+def test_params_of_another_depth_are_refused(kind, made, want):
+  # Once a deeper stack's ran their first rows, and a shallower one's failed
+  # inside lax.scan naming neither the stack nor its parameters.
+  make = _depth_models()[kind]
+  x = jnp.ones((2, 3))
+  params = jax.eval_shape(make(made).init, KEY, x)
+  with pytest.raises(ValueError) as info:
+    jax.eval_shape(make(want).apply, params, None, x)
+  message = str(info.value)
+  rows = made // 2 if kind == "mixed" else made
+  assert f"has {rows} rows on its leading (Layers) axis" in message, message
+  if kind == "mixed":
+    assert (f"pattern=('A', 'B') gives the kind 'A' {want // 2} of the stack's "
+            f"num_layers={want}") in message, message
+  else:
+    assert f"the stack has num_layers={want}" in message, message
+  assert message.startswith("layer_stack: " if kind == "layer_stack" else "Stacked: ")
+  if kind == "mixed":
+    assert "st.take_layers(params, 'h', indices, pattern=('A', 'B'))" in message
+  elif kind == "nested":   # its parameters have the outer axis too: no take_layers
+    assert "build the stack with num_layers=" in message and "take_layers" not in message
+  else:
+    assert f"build the stack with num_layers={made}" in message, message
+    assert "st.take_layers(params, 'h', indices)" in message, message
+
+
+def test_params_cut_to_the_depth_run():
+  x = jnp.ones((2, 3))
+  make = _depth_models()["stacked"]
+  params = make(6).init(KEY, x)
+  got = make(2).apply(st.take_layers(params, "h", [0, 3]), None, x)
+  w, b = params["h/linear"]["w"], params["h/linear"]["b"]
+  want = x
+  for r in (0, 3):   # layer j uses row r
+    want = want + want @ w[r] + b[r]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Typed PRNG keys (they once broke remat="nested"), numpy ints.
+
+
+class _DropoutBlock(hk.Module):
+
+  def __call__(self, x):
+    h = hk.Linear(x.shape[-1])(x)
+    return x + hk.dropout(hk.next_rng_key(), 0.5, h)
+
+
+@pytest.mark.parametrize("remat", list(st.REMAT_ALIASES))
+def test_typed_keys_every_alias_against_blockseq(remat):
+  """Init and apply with jax.random.key, against BlockSeq on the same params."""
+  x = jnp.ones((2, 3))
+
+  def make(cls):
+    return hk.transform(lambda x: cls(lambda: _DropoutBlock(name="block"), N, remat=remat,
+                                      name="h").fold(x))
+  stacked, seq = make(st.Stacked), make(st.BlockSeq)
+  params = jax.jit(stacked.init)(jax.random.key(0), x)
+
+  @jax.jit
+  def values_and_grads(params, key):
+    seq_params = st.unstack_params(params, "h")
+    loss = lambda f: lambda p: jnp.sum(f.apply(p, key, x) ** 2)
+    return (jax.value_and_grad(loss(stacked))(params),
+            jax.value_and_grad(loss(seq))(seq_params))
+
+  (value, grads), (seq_value, seq_grads) = values_and_grads(params, jax.random.key(1))
+  np.testing.assert_allclose(value, seq_value, rtol=1e-6)
+  np.testing.assert_allclose(st.unstack_params(grads, "h")["h/layer_2/block/linear"]["w"],
+                             seq_grads["h/layer_2/block/linear"]["w"], rtol=1e-5)
+
+
+def test_numpy_ints_are_layer_counts_and_unrolls():
+  # Once st.fold took them (loops_test.py) and Stacked refused them; True is
+  # not a count (test_bad_num_layers).
+  x = jnp.ones((2, 3))
+
+  def with_ints(num_layers, unroll):
+    def fn(x):
+      a = st.Stacked(_residual, num_layers, unroll=unroll, name="a").fold(x)
+      b = st.BlockSeq(_residual, num_layers, name="b").fold(a)
+      return st.layer_stack(num_layers, unroll=unroll, name="c")(_residual())(b)
+    return hk.transform(fn)
+
+  plain = with_ints(3, 2)
+  numpy = with_ints(np.int64(3), np.int32(2))
+  params = jax.jit(plain.init)(KEY, x)
+  assert jax.tree.map(jnp.shape, jax.eval_shape(numpy.init, KEY, x)) \
+      == jax.tree.map(jnp.shape, params)
+  np.testing.assert_allclose(jax.jit(numpy.apply)(params, None, x),
+                             jax.jit(plain.apply)(params, None, x), rtol=1e-6)

@@ -1,0 +1,73 @@
+"""Flags of the GPT example that would do nothing stop it at start-up, with one line.
+
+Flags that do nothing with ``--stack=unrolled`` (``--remat=nested``,
+``--nested_outer``, ``--unroll``) or without ``--optimizer=muon``
+(``--muon_learning_rate``), and ``--pattern`` with L layers whose
+``--window`` (its default or a given one) exceeds ``--seq_len``: each once
+went on in silence. The command lines run one after another in one
+interpreter (``gpt_driver.drive_cli``); each must exit non-zero with one
+line that names the flag and the fix, and write nothing. Each corrected one
+is shown to pass the flag checks by stopping at the next check (a missing
+``--data_path``).
+"""
+
+import json
+
+import pytest
+
+import gpt_driver
+from subprocesses import wait
+
+pytestmark = pytest.mark.jax_independent   # see pytest.ini
+
+#: (flags, what the one line must say); None: the flags pass their checks.
+CLI_CASES = {
+    "nested_unrolled": ({"stack": "unrolled", "remat": "nested"},
+                        ["--remat=nested: nested splits a scan into two levels, and "
+                         "--stack=unrolled (st.BlockSeq, a Python loop) has no scan, so it "
+                         "would act as full: write full in its place, or pass --stack=scan."]),
+    "nested_outer_unrolled": ({"stack": "unrolled", "remat": "nested", "nested_outer": 2},
+                              ["--remat=nested and --nested_outer: nested splits"]),
+    "per_depth_nested_unrolled": ({"stack": "unrolled", "remat": "none:1,nested:1"},
+                                  ["--remat=none:1,nested:1: nested splits"]),
+    "unroll_unrolled": ({"stack": "unrolled", "unroll": 2},
+                        ["--unroll=2 sets the layers per rolled iteration of --stack=scan's "
+                         "loop", "drop --unroll, or pass --stack=scan."]),
+    "muon_rate_without_muon": ({"muon_learning_rate": 0.05},
+                               ["--muon_learning_rate is the peak learning rate of Muon's "
+                                "matrices, which only --optimizer=muon has: pass "
+                                "--optimizer=muon, or drop --muon_learning_rate"]),
+    "window_default": ({"pattern": "LG"},
+                       ["--pattern=LG has L layers, which attend to the last --window "
+                        "positions, but --window, not given, defaults to 32, more than "
+                        "--seq_len=16: pass --window=16 or less."]),
+    "window_given": ({"pattern": "LG", "window": 20},
+                     ["but --window=20 is more than --seq_len=16: pass --window=16"]),
+    # Each corrected.
+    "full_unrolled": ({"stack": "unrolled", "remat": "full"}, None),
+    "unroll_1_unrolled": ({"stack": "unrolled", "unroll": 1}, None),
+    "muon_rate_with_muon": ({"muon_learning_rate": 0.05, "optimizer": "muon"}, None),
+    "window_fits": ({"pattern": "LG", "window": 16}, None),
+}
+
+
+def test_gpt_flags_that_would_do_nothing_stop_at_start_up(tmp_path):
+  missing = str(tmp_path / "missing.txt")   # the check after the flags' own
+  args = [gpt_driver.as_args({**gpt_driver.TINY, "data_path": missing,
+                              "workdir": str(tmp_path / name), **flags})
+          for name, (flags, _) in CLI_CASES.items()]
+  proc, out_path = gpt_driver.start_cli_driver(str(tmp_path), "start_up_flags", args,
+                                               gpt_driver.xla_env())
+  try:
+    wait(proc)
+  finally:
+    proc.log.close()
+  with open(out_path, encoding="utf-8") as f:
+    results = json.load(f)
+  for (name, (_, fragments)), result in zip(CLI_CASES.items(), results):
+    lines = [l for l in result["stderr"].strip().splitlines()
+             if not l.startswith("Pass --helpshort")]
+    assert result["rc"] != 0 and len(lines) == 1, (name, result)
+    for fragment in fragments or [f"error: --data_path={missing!r} does not exist"]:
+      assert fragment in lines[0], (name, fragment, lines[0])
+    assert not (tmp_path / name).exists(), name
