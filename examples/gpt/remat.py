@@ -209,7 +209,7 @@ def plan(train_step: Callable[..., Any], params: Any, opt_state: Any, batch: jax
   return chosen
 
 
-def _log_plan(remat_plan: st.RematPlan) -> None:
+def _log_plan(remat_plan: Any) -> None:
   """Logs how the plan was made: reused from the workdir, or the report."""
   report = remat_plan.report
   if remat_plan.reused:
