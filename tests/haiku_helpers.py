@@ -8,8 +8,8 @@ Also the library tests' small transformer (:func:`transformer`, built of
 blocks of causal self-attention and an MLP whose intermediates are tagged
 with ``st.checkpoint_name``, a final LayerNorm and a head, stacked by
 ``st.Stacked`` or ``st.BlockSeq``, with fold or scan blocks, an optional
-pattern of sliding-window (``L``) and full (``G``) attention, an optional
-per-layer input and optional state. Its module names are the GPT example's
+pattern of sliding-window (``L``) and full (``G``) attention, and an
+optional per-layer input. Its module names are the GPT example's
 (``h/block/attn/qkv``, ``h/block/fc_out``, ``tok_embed``, ...), so what a
 library test says of its parameter tree reads as it would of the example's;
 the example's own model is for the example's tests (``tests/gpt_*``).
@@ -122,7 +122,7 @@ class Tiny:
   or ``"unrolled"`` (``st.BlockSeq``). ``pattern``: ``""``, or letters of
   :data:`KINDS` (``L`` attends to the last ``window`` positions). ``per_layer``:
   the blocks take a per-layer gate on their MLP (``[num_layers]``, passed with
-  ``st.per_layer``). ``state``: each block counts its calls in Haiku state.
+  ``st.per_layer``).
   """
 
   num_layers: int = 2
@@ -138,7 +138,6 @@ class Tiny:
   window: int = 0
   bias: bool = True
   per_layer: bool = False
-  state: bool = False
 
 
 # Uniform weights of truncated normal's scale: they compile several times faster.
@@ -182,9 +181,6 @@ class TransformerBlock(hk.Module):
 
   def __call__(self, x, gate=None):
     cfg = self.cfg
-    if cfg.state:
-      calls = hk.get_state("calls", [], jnp.int32, init=jnp.zeros)
-      hk.set_state("calls", calls + 1)
     x_in = x
     ln1 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln1")
     attn, probs = Attention(cfg, self.window, name="attn")(ln1(x))
@@ -192,8 +188,7 @@ class TransformerBlock(hk.Module):
     ln2 = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln2")
     h = _linear(cfg, cfg.mlp_ratio * cfg.width, "fc")(ln2(x))
     h = st.checkpoint_name(jax.nn.gelu(st.checkpoint_name(h, "mlp_pre")), "mlp_hidden")
-    h = st.checkpoint_name(_linear(cfg, cfg.width, "fc_out")(h),
-                           "mlp_out")
+    h = st.checkpoint_name(_linear(cfg, cfg.width, "fc_out")(h), "mlp_out")
     x = x + (h if gate is None else gate * h)
     if cfg.block == "fold":
       return x
@@ -206,7 +201,8 @@ def tiny_stack(cfg: Tiny):
   """The block stack ``h`` of ``cfg`` (call inside a Haiku transform)."""
   if cfg.pattern:
     windows = {"L": cfg.window, "G": None}
-    make_block = {KINDS[c]: functools.partial(TransformerBlock, cfg, windows[c], name="block")
+    make_block = {KINDS[c]: functools.partial(TransformerBlock, cfg, windows[c],
+                                              name="block")
                   for c in dict.fromkeys(cfg.pattern)}
     config = dict(pattern=tuple(KINDS[c] for c in cfg.pattern))
   else:
@@ -241,14 +237,12 @@ def tiny_loss(cfg: Tiny, tokens, gates=None):
 
 
 def transformer(cfg: Tiny, what: str = "logits"):
-  """``hk.transform`` (``_with_state`` with ``cfg.state``) of :func:`tiny_forward`'s
-  logits (``what="logits"``), of ``(logits, stats)`` (``"forward"``) or of
-  :func:`tiny_loss` (``"loss"``), without an apply rng."""
+  """``hk.transform`` of :func:`tiny_forward`'s logits (``what="logits"``), of
+  ``(logits, stats)`` (``"forward"``) or of :func:`tiny_loss` (``"loss"``),
+  without an apply rng. With ``cfg.per_layer``, each takes the gates last."""
   fn = {"logits": lambda *a: tiny_forward(cfg, *a)[0],
         "forward": functools.partial(tiny_forward, cfg),
         "loss": functools.partial(tiny_loss, cfg)}[what]
-  if cfg.state:
-    return hk.without_apply_rng(hk.transform_with_state(fn))
   return hk.without_apply_rng(hk.transform(fn))
 
 

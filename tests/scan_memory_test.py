@@ -21,13 +21,17 @@ import stacktools as st
 from haiku_helpers import Tiny, random_like, tiny_tokens, transformer
 
 # 4 layers of width 64 over 32 positions: large enough that the stacked
-# activations, not XLA's fixed workspace, decide the temp memory.
-SHAPE = dict(num_layers=4, width=64, heads=2, vocab=64, seq_len=32, bias=False)
+# activations, not XLA's fixed workspace, decide the temp memory. Each layer
+# gates its MLP with a per-layer input.
+SHAPE = dict(num_layers=4, width=64, heads=2, vocab=64, seq_len=32, bias=False,
+             per_layer=True)
+GATES = np.linspace(0.5, 1.0, 4, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-  """``{(stack, remat): (compiled value_and_grad, params, tokens)}``."""
+  """``{(stack, remat): (compiled value_and_grad, params, tokens)}``: the
+  gradients of the parameters and of the per-layer gates."""
   out = {}
   for stack, remat in (("scan", "none"), ("unrolled", "none"), ("scan", "save_all")):
     cfg = Tiny(stack=stack, remat=remat, **SHAPE)
@@ -36,8 +40,9 @@ def compiled():
     if stack == "unrolled":   # the same parameters as the scanned stack's
       params = st.unstack_params(out[("scan", "none")][1], "h")
     else:   # random values shaped by the init's trace: nothing to compile
-      params = random_like(jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens))
-    step = jax.jit(jax.value_and_grad(loss.apply)).lower(params, tokens).compile()
+      params = random_like(jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens, GATES))
+    step = jax.jit(jax.value_and_grad(loss.apply, argnums=(0, 2))).lower(
+        params, tokens, GATES).compile()
     out[(stack, remat)] = (step, params, tokens)
   return out
 
@@ -56,10 +61,11 @@ def test_scanned_none_temp_at_most_unrolled(compiled):
 
 def test_scanned_none_gradients_equal_unrolled(compiled):
   step, params, tokens = compiled[("scan", "none")]
-  loss_s, grads_s = step(params, tokens)
+  loss_s, (grads_s, gates_s) = step(params, tokens, GATES)
   step, params, tokens = compiled[("unrolled", "none")]
-  loss_u, grads_u = step(params, tokens)
+  loss_u, (grads_u, gates_u) = step(params, tokens, GATES)
   np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+  np.testing.assert_allclose(gates_s, gates_u, rtol=1e-5)
   grads_s = st.unstack_params(grads_s, "h")
   assert jax.tree_util.tree_structure(grads_s) == jax.tree_util.tree_structure(grads_u)
   for a, b in zip(jax.tree_util.tree_leaves(grads_s), jax.tree_util.tree_leaves(grads_u)):
