@@ -118,13 +118,7 @@ def checkpoint_step(policy: Policy, step: Callable[..., T], *,
   them away. Nothing costly (a matmul, a reduction, a jitted function, a
   random draw) is recomputed.
 
-  Args:
-    step: ``step(carry, x) -> out``.
-    looped: whether the step is the body of a loop.
-
-  Returns:
-    The wrapped step; ``step`` itself when checkpointing is disabled and
-    the step is not looped.
+  Arguments and result as :meth:`stacktools.CheckpointPolicy.checkpoint_step`.
   """
   if policy.disable:
     if not looped:

@@ -188,24 +188,8 @@ class RematReport:
   def plan(self, *, budget: Union[int, str], by_time: bool = True) -> Any:
     """The plan :meth:`stacktools.RematPlan.from_report` chooses from this report.
 
-    Example::
-
-      class Block(hk.Module):
-        def __call__(self, x):
-          h = st.checkpoint_name(jax.nn.gelu(hk.Linear(32)(x)), "mlp_hidden")
-          return x + hk.Linear(x.shape[-1])(h)
-
-      net = hk.without_apply_rng(hk.transform(
-          lambda x: st.Stacked(Block, num_layers=4, remat="auto", name="h").fold(x)))
-      batch = jnp.ones((8, 16))
-      params = net.init(jax.random.PRNGKey(0), batch)
-      train_step = jax.grad(lambda params, batch: jnp.mean(net.apply(params, batch) ** 2))
-
-      report = st.remat_report(train_step, params, batch, measure=True,
-                               only=["full", "nested"], compile_all=True)
-      plan = report.plan(budget="48MiB")
-      with plan:
-        step = jax.jit(train_step).lower(params, batch).compile()
+    ``report.plan(budget="48MiB")`` is ``RematPlan.from_report(report,
+    budget="48MiB")``; see its example.
 
     Args:
       budget: the most compiled temp memory, as bytes or e.g. ``"48MiB"``.
