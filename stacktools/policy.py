@@ -30,7 +30,7 @@ from stacktools import _nested_split
 from stacktools._checkpoint import CARRY_NAME  # noqa: F401  (re-exported)
 from stacktools._checkpoint import INPUT_NAME  # noqa: F401
 from stacktools._checkpoint import OUTER_CARRY_NAME  # noqa: F401
-from stacktools._checkpoint import RECOMPUTED  # noqa: F401
+from stacktools._checkpoint import RECOMPUTED, SMALL_SLICE  # noqa: F401
 from stacktools._checkpoint import RESERVED_NAMES
 from stacktools._checkpoint import checkpoint_name  # noqa: F401
 

@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+try:  # Public in some JAX versions; only in jax._src in jax 0.10.
+  from jax.ad_checkpoint import saved_residuals
+except ImportError:
+  from jax._src.ad_checkpoint import saved_residuals
+
 from examples.gpt import model as model_lib
+import stacktools as st
 
 T = 2 * model_lib.SPLASH_TILE    # two kernel blocks of 128 positions
 
@@ -73,3 +79,23 @@ def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
 def test_refused_with_the_fix(kwargs, message):
   with pytest.raises(ValueError, match=message):
     model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=T), **kwargs})
+
+
+def test_keeping_attn_mix_keeps_what_the_kernels_backward_reads():
+  # The kernel's output and softmax statistics are tagged attn_mix: a policy
+  # that keeps attn_mix keeps them (the backward pass then has no need to
+  # run the kernel's forward pass again); "full" keeps neither.
+  tokens = jnp.zeros((2, T + 1), jnp.int32)
+  heads, length = 2, T
+  stats = (1, 2, heads, length)           # [layers, B, heads, T]
+  out = (1, 2, heads, length, 8)          # [layers, B, heads, T, head_dim]
+
+  def kept(remat):
+    cfg = config("splash", remat=remat, num_layers=1)
+    model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
+    return [aval.shape for aval, _ in saved_residuals(model.apply, params, tokens)]
+  keeps_mix = kept(st.CheckpointPolicy(save_block_internals=("attn_mix",)))
+  assert stats in keeps_mix and out in keeps_mix, keeps_mix
+  full = kept("full")
+  assert stats not in full and out not in full, full

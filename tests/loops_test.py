@@ -490,6 +490,34 @@ def test_no_remat_keeps_a_tagged_value_as_its_maker_would():
   # The gradients do not change with what is kept.
   # Weights that keep tanh away from saturation, where its derivative is
   # round-off.
+
+
+def _one_lane_block(h, w):
+  # A wide value of which the backward pass reads one lane, as the splash
+  # attention kernel's 128-lane softmax statistics: recomputing the lane's
+  # slice would keep the wide value for every layer.
+  wide = jnp.concatenate([h @ w] * 32, axis=-1)          # (RB, 32 * RD)
+  return h + jnp.exp(jnp.sin(wide)[:, :1])
+
+
+def test_no_remat_keeps_a_small_slice_not_what_it_was_cut_from():
+  shapes = collections.Counter(a.shape for a in _computed(
+      _residuals(False, 8, _one_lane_block)))
+  assert shapes[(8, RB, 1)] == 1, shapes           # the lane, kept
+  assert not any(s[-1] == 32 * RD for s in shapes), shapes
+  # A slice of a third (jnp.split of qkv) is still recomputed, from the
+  # value it was cut from, which the backward pass keeps anyway.
+  assert st.policy.SMALL_SLICE < 1 / 3
+  ws = 0.3 * jax.random.normal(jax.random.PRNGKey(0), (8, RD, RD))
+  h = 0.5 * jnp.ones((RB, RD))
+
+  def unrolled(ws, h):
+    for w in ws:
+      h = _one_lane_block(h, w)
+    return jnp.sum(h)
+  loss = lambda ws, h: jnp.sum(st.fold(_one_lane_block, remat=False)(h, ws))
+  for got, want in zip(jax.grad(loss, (0, 1))(ws, h), jax.grad(unrolled, (0, 1))(ws, h)):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
   ws = 0.3 * jax.random.normal(jax.random.PRNGKey(0), (8, RD, RD))
   h = 0.5 * jnp.ones((RB, RD))
   grads = [jax.grad(lambda ws: jnp.sum(st.fold(_tagged_elementwise_block,

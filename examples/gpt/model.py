@@ -351,10 +351,14 @@ def _splash(num_heads: int, length: int,
       block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
   # Built eagerly, whatever is being traced: the kernel's mask tables are
   # arrays, kept (cached) for every later trace.
+  # The kernel's output and softmax statistics, what its backward pass reads,
+  # are tagged "attn_mix": a policy that keeps attn_mix keeps them, and the
+  # backward pass does not run the kernel's forward pass again for them.
   with jax.ensure_compile_time_eval():
     attend = kernel_lib.make_splash_mha(
         mask_lib.MultiHeadMask([one_head] * num_heads), block_sizes=sizes, head_shards=1,
-        q_seq_shards=1, interpret=jax.default_backend() != "tpu")
+        q_seq_shards=1, residual_checkpoint_name="attn_mix",
+        interpret=jax.default_backend() != "tpu")
 
   def heads_first(a):
     return a.transpose(0, 2, 1, 3)
