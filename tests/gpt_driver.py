@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from benchmarks import fast_compile
-from subprocesses import start
+from subprocesses import start, wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -119,21 +119,27 @@ def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) 
     json.dump(out, f)
 
 
-def drive_cli(spec_path: str, out_path: str) -> None:
-  """Runs ``train.py``'s command lines in this process, as each would run alone.
+def drive_cli(spec_path: str, out_path: str, script: str = TRAIN) -> None:
+  """Runs ``script``'s command lines in this process, as each would run alone.
 
   Called in a fresh interpreter (see :func:`start_cli_driver`), so that one
   interpreter pays the imports for many short runs (a run that stops at
-  start-up costs little beside them). Each spec is a list of arguments. Per
-  run, what ``python examples/gpt/train.py ARGS`` would write to file
-  descriptor 2 (absl's log, Python's exit message or traceback, XLA's own
-  lines) and its exit status: ``{"rc": int, "stderr": str}``. The flags are
-  reset between runs; absl's app.run parses them again on each.
+  start-up costs little beside them). ``script`` is :data:`TRAIN` or
+  :data:`SAMPLE`; each spec is a list of arguments. Per run, what
+  ``python SCRIPT ARGS`` would write to file descriptors 1 (``stdout``:
+  sample.py's text) and 2 (``stderr``: absl's log, Python's exit message or
+  traceback, XLA's own lines) and its exit status:
+  ``{"rc": int, "stdout": str, "stderr": str}``. The flags are reset between
+  runs; absl's app.run parses them again on each.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top
+  if script == SAMPLE:
+    from examples.gpt import sample as binary  # pylint: disable=g-import-not-at-top
+    binary.define_flags()   # as sample.py does as __main__
+  else:
+    from examples.gpt import train as binary  # pylint: disable=g-import-not-at-top
 
   def parse(argv):   # as app.run's first parse: INFO unless --verbosity is given
     args = app.parse_flags_with_usage(argv)
@@ -146,13 +152,16 @@ def drive_cli(spec_path: str, out_path: str) -> None:
   results = []
   for args in specs:
     flags.FLAGS.unparse_flags()
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as out, \
+        tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+      sys.stdout.flush()
       sys.stderr.flush()
-      saved = os.dup(2)
+      saved = os.dup(1), os.dup(2)
+      os.dup2(out.fileno(), 1)
       os.dup2(err.fileno(), 2)
       rc = 0
       try:
-        app.run(train.main, argv=[TRAIN, *args], flags_parser=parse)
+        app.run(binary.main, argv=[script, *args], flags_parser=parse)
       except SystemExit as e:   # as the interpreter reports it at exit
         if isinstance(e.code, int):
           rc = e.code
@@ -163,17 +172,22 @@ def drive_cli(spec_path: str, out_path: str) -> None:
         traceback.print_exc()
         rc = 1
       finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, saved_fd in zip((1, 2), saved):
+          os.dup2(saved_fd, fd)
+          os.close(saved_fd)
+      out.seek(0)
       err.seek(0)
-      results.append({"rc": rc, "stderr": err.read()})
+      results.append({"rc": rc, "stdout": out.read(), "stderr": err.read()})
   with open(out_path, "w", encoding="utf-8") as f:
     json.dump(results, f)
 
 
-def start_cli_driver(tmp: str, label: str, specs: list[list[str]], env: dict):
-  """Starts :func:`drive_cli` on ``specs`` (argument lists, run in order).
+def start_cli_driver(tmp: str, label: str, specs: list[list[str]], env: dict,
+                     script: str = TRAIN):
+  """Starts :func:`drive_cli` on ``specs`` (argument lists of ``script``, run
+  in order).
 
   Returns:
     ``(process, out_path)``, as :func:`start_driver`.
@@ -183,10 +197,48 @@ def start_cli_driver(tmp: str, label: str, specs: list[list[str]], env: dict):
   with open(spec_path, "w", encoding="utf-8") as f:
     json.dump(specs, f)
   code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
-          "import gpt_driver; gpt_driver.drive_cli(*sys.argv[3:5])")
-  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path], env,
+          "import gpt_driver; gpt_driver.drive_cli(*sys.argv[3:6])")
+  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path, script], env,
                os.path.join(tmp, f"cli_driver_{label}.log"))
   return proc, out_path
+
+
+def cli_results(driver) -> list[dict]:
+  """What :func:`start_cli_driver`'s ``driver`` (``(process, out_path)``)
+  recorded, once it finished: one ``{"rc", "stdout", "stderr"}`` per spec."""
+  proc, out_path = driver
+  wait(proc)
+  with open(out_path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+class CliRuns:
+  """The runs of a :func:`start_cli_driver` started on ``specs`` (``{key:
+  arguments}``), read when first asked for, so that a test computes its own
+  side while the driver runs: ``runs[key]`` is ``(exit status, stdout,
+  stderr)``."""
+
+  def __init__(self, tmp: str, label: str, specs: dict, env: dict, script: str = TRAIN):
+    self.keys = list(specs)
+    self.driver = start_cli_driver(tmp, label, list(specs.values()), env, script)
+    self._runs = None
+
+  def __getitem__(self, key) -> tuple[int, str, str]:
+    if self._runs is None:
+      try:
+        results = cli_results(self.driver)
+      finally:
+        self.close()
+      self._runs = {key: (r["rc"], r["stdout"], r["stderr"])
+                    for key, r in zip(self.keys, results)}
+    return self._runs[key]
+
+  def close(self) -> None:
+    proc = self.driver[0]
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    proc.log.close()
 
 
 def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,

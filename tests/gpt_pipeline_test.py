@@ -20,7 +20,8 @@ for them:
   0-1 in one process, 2-3 in the other, 20 steps with a checkpoint at step
   10; then a second pair that resumes that checkpoint, in a copy of the
   workdir without the later one, to step 20;
-* one command-line run whose flags contradict each other.
+* two command lines, one whose flags contradict each other and one with a
+  schedule that does not exist, run in one interpreter (``drive_cli``).
 
 What is checked, against numbers:
 
@@ -246,24 +247,28 @@ def kib_per_device(log: str) -> float:
 
 
 def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
-  # Flags that contradict each other, on the command line: stderr holds one
-  # line (and absl's hint) and nothing else.
+  # Flags that contradict each other, and a schedule that does not exist, on
+  # the command line: one after another in one interpreter
+  # (gpt_driver.drive_cli), as each would run alone. gpt_test.py runs
+  # train.py's flag errors as commands of their own too.
   workdir = tmp_path / "work"
-  args = as_args({**TINY, "data_path": runs.corpus, "workdir": workdir, "microbatches": 4})
-  proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=xla_env(1),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  _, stderr = proc.communicate(timeout=300)
-  assert proc.returncode != 0 and "Traceback" not in stderr, stderr
-  lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
-  assert len(lines) == 1, stderr
-  assert "--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)" in lines[0], lines[0]
-  assert not workdir.exists()
-  # A schedule that does not exist: absl's enum names the ones that do.
-  proc = subprocess.run([sys.executable, TRAIN, *as_args({**TINY, "workdir": workdir}),
-                         "--pipeline=zb-h2"], cwd=REPO, env=xla_env(1),
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-  assert "value should be one of <none|gpipe|circular|1f1b|interleaved|zb>" in proc.stderr
+  specs = {"contradict": as_args({**TINY, "data_path": runs.corpus, "workdir": workdir,
+                                  "microbatches": 4}),
+           "no such schedule": as_args({**TINY, "workdir": workdir}) + ["--pipeline=zb-h2"]}
+  cli = gpt_driver.CliRuns(str(tmp_path), "flag_errors", specs, xla_env(1))
+  try:
+    # stderr holds one line (and absl's hint) and nothing else.
+    returncode, _, stderr = cli["contradict"]
+    assert returncode != 0 and "Traceback" not in stderr, stderr
+    lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+    assert len(lines) == 1, stderr
+    assert "--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)" in lines[0], lines[0]
+    # absl's enum names the schedules that exist.
+    returncode, _, stderr = cli["no such schedule"]
+    assert returncode != 0 and "Traceback" not in stderr, stderr
+    assert "value should be one of <none|gpipe|circular|1f1b|interleaved|zb>" in stderr
+  finally:
+    cli.close()
   assert not workdir.exists()
   # Those that need a mesh ran in the drivers, which record the message
   # that sys.exit prints (alone on stderr, as the line above).

@@ -14,11 +14,14 @@ with one line naming the flag; a prompt longer than the model's ``seq_len``
 says so. The decode step also traces
 under a policy that keeps every named internal, as train.py's end-of-run
 sample runs it.
+
+Every command line runs in one interpreter (``gpt_driver.drive_cli``), as
+each would run alone: one process pays the imports for all of them.
+gpt_test.py runs sample.py as a command of its own, end to end and on bad
+workdirs.
 """
 
 import dataclasses
-import subprocess
-import sys
 
 import haiku as hk
 import jax
@@ -88,17 +91,6 @@ def assert_greedy(text, want, gaps):
       return
 
 
-def cli(*args):
-  return subprocess.Popen([sys.executable, gpt_driver.SAMPLE, *args], cwd=gpt_driver.REPO,
-                          env=gpt_driver.xla_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc):
-  stdout, stderr = proc.communicate(timeout=300)
-  return proc.returncode, stdout, stderr
-
-
 @pytest.fixture(scope="module")
 def workdirs(tmp_path_factory):
   """``{name: (workdir, cfg, params)}``: one checkpoint per model."""
@@ -117,26 +109,52 @@ def workdirs(tmp_path_factory):
   return out
 
 
-def test_greedy_cli_equals_full_recompute(workdirs):
+#: Bad flags of sample.py, and a fragment of the one line each stops with.
+BAD_FLAGS = [("--num_samples=0", "--num_samples"), ("--top_k=-1", "--top_k"),
+             (f"--top_k={len(CHARS) + 1}", f"--top_k={len(CHARS) + 1} is more than"),
+             ("--temperature=nan", "--temperature must be a finite number >= 0 (0: greedy)")]
+#: A prompt longer than the model's seq_len (16).
+LONG_PROMPT = (CHARS * 3)[:16 + 5]
+
+
+@pytest.fixture(scope="module")
+def runs(workdirs, tmp_path_factory):
+  """Every command line of this module, run in one interpreter, started
+  when a test first needs one (see ``gpt_driver.CliRuns``)."""
   common = [f"--prompt={PROMPT}", f"--num_tokens={NUM_TOKENS}"]
-  runs = {}
+  specs = {}
   for name, (workdir, _, _) in workdirs.items():
-    runs[name, "greedy"] = cli(f"--workdir={workdir}", "--temperature=0", *common)
-    runs[name, "top_k=1"] = cli(f"--workdir={workdir}", "--temperature=1", "--top_k=1",
-                                "--seed=3", *common)
+    specs[name, "greedy"] = [f"--workdir={workdir}", "--temperature=0", *common]
+    specs[name, "top_k=1"] = [f"--workdir={workdir}", "--temperature=1", "--top_k=1",
+                              "--seed=3", *common]
   workdir = workdirs["mixed"][0]
-  runs["mixed", "four"] = cli(f"--workdir={workdir}", "--temperature=0",
-                              "--num_samples=4", *common)
-  runs["mixed", "sampled"] = cli(f"--workdir={workdir}", "--temperature=1",
-                                 "--num_samples=4", "--top_k=3", *common)
+  specs["mixed", "four"] = [f"--workdir={workdir}", "--temperature=0",
+                            "--num_samples=4", *common]
+  specs["mixed", "sampled"] = [f"--workdir={workdir}", "--temperature=1",
+                               "--num_samples=4", "--top_k=3", *common]
+  workdir = workdirs["plain"][0]
+  for flag, _ in BAD_FLAGS:
+    specs["bad", flag] = [f"--workdir={workdir}", flag]
+  specs["long prompt"] = [f"--workdir={workdir}", f"--prompt={LONG_PROMPT}",
+                          "--temperature=0", "--num_tokens=1"]
+  r = gpt_driver.CliRuns(str(tmp_path_factory.mktemp("cli")), "sample", specs,
+                         gpt_driver.xla_env(), script=gpt_driver.SAMPLE)
+  yield r
+  r.close()
+
+
+def test_greedy_cli_equals_full_recompute(workdirs, runs):
+  # The recomputes here, while the driver samples.
+  recomputed = {name: greedy_by_recompute(cfg, params)
+                for name, (_, cfg, params) in workdirs.items()}
   outputs = {}
-  for key, proc in runs.items():
-    rc, stdout, stderr = finish(proc)
-    assert rc == 0, (key, stderr)
-    assert "--prompt has" not in stderr, (key, stderr)   # it fits: nothing to say
-    outputs[key] = stdout
-  for name, (_, cfg, params) in workdirs.items():
-    want, gaps = greedy_by_recompute(cfg, params)
+  for key in runs.keys:
+    if key[0] in MODELS:
+      rc, stdout, stderr = runs[key]
+      assert rc == 0, (key, stderr)
+      assert "--prompt has" not in stderr, (key, stderr)   # it fits: nothing to say
+      outputs[key] = stdout
+  for name, (want, gaps) in recomputed.items():
     assert len(set(want[len(PROMPT):])) >= 2, want   # a text that varies
     assert_greedy(outputs[name, "greedy"].rstrip("\n"), want, gaps)
     assert outputs[name, "top_k=1"] == outputs[name, "greedy"], name
@@ -149,14 +167,9 @@ def test_greedy_cli_equals_full_recompute(workdirs):
     assert set(text) <= set(CHARS)
 
 
-def test_bad_sampling_flags_stop_with_one_line(workdirs):
-  workdir = workdirs["plain"][0]
-  cases = [("--num_samples=0", "--num_samples"), ("--top_k=-1", "--top_k"),
-           (f"--top_k={len(CHARS) + 1}", f"--top_k={len(CHARS) + 1} is more than"),
-           ("--temperature=nan", "--temperature must be a finite number >= 0 (0: greedy)")]
-  procs = [(cli(f"--workdir={workdir}", flag), fragment) for flag, fragment in cases]
-  for proc, fragment in procs:
-    rc, stdout, stderr = finish(proc)
+def test_bad_sampling_flags_stop_with_one_line(runs):
+  for flag, fragment in BAD_FLAGS:
+    rc, stdout, stderr = runs["bad", flag]
     assert rc != 0 and not stdout
     assert "Traceback" not in stderr, stderr
     message = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
@@ -164,11 +177,12 @@ def test_bad_sampling_flags_stop_with_one_line(workdirs):
     assert fragment in message[0], message[0]
 
 
-def test_a_prompt_longer_than_the_model_sees_is_said_and_continued_from_its_end(workdirs):
-  workdir, cfg, params = workdirs["plain"]
-  prompt = (CHARS * 3)[:cfg.seq_len + 5]
-  rc, stdout, stderr = finish(cli(f"--workdir={workdir}", f"--prompt={prompt}",
-                                  "--temperature=0", "--num_tokens=1"))
+def test_a_prompt_longer_than_the_model_sees_is_said_and_continued_from_its_end(
+    workdirs, runs):
+  _, cfg, params = workdirs["plain"]
+  prompt = LONG_PROMPT
+  assert len(prompt) == cfg.seq_len + 5
+  rc, stdout, stderr = runs["long prompt"]
   assert rc == 0, stderr
   said = [l for l in stderr.splitlines() if "--prompt has" in l]
   assert len(said) == 1, stderr

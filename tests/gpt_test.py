@@ -190,6 +190,98 @@ def start_drivers_early(request):
     request.getfixturevalue("drivers")
 
 
+def can_create_file_in(folder: str) -> bool:
+  try:
+    fd = os.open(os.path.join(folder, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+  except OSError:
+    return False
+  os.close(fd)
+  os.remove(os.path.join(folder, "probe"))
+  return True
+
+
+def remat_candidates_example() -> str:
+  """The example in --remat_candidates' help."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from examples.gpt import train  # pylint: disable=g-import-not-at-top,unused-import
+  return flags.FLAGS["remat_candidates"].help.split("e.g. '", 1)[1].split("'", 1)[0]
+
+
+class StartUp:
+  """train.py's command lines of the start-up tests below (a workdir that is
+  a file, lies under one or cannot be written; an unmeetable memory budget;
+  --remat_candidates), run one after another in one interpreter
+  (``gpt_driver.drive_cli``) as each would run alone, beside the training
+  drivers. The bad-flag test runs train.py as commands of their own too."""
+
+  def __init__(self, tmp: str, data_path: str):
+    self.tmp = tmp
+    specs = {}
+    # A --workdir that is a file or lies under one; --data_path names a
+    # missing file (see test_unusable_workdir_stops_at_start_up).
+    self.unusable = os.path.join(tmp, "unusable")
+    os.makedirs(self.unusable)
+    self.a_file = os.path.join(self.unusable, "a_file")
+    with open(self.a_file, "w", encoding="utf-8") as f:
+      f.write("not a folder\n")
+    self.missing_data = {**TINY, "data_path": os.path.join(tmp, "missing.txt")}
+    for case, workdir in (("is_file", self.a_file),
+                          ("under_file", os.path.join(self.a_file, "sub"))):
+      specs[case] = as_args({**self.missing_data, "workdir": workdir})
+    # A folder nobody can create files in: mode 0o555, or, for root (whom
+    # modes do not stop), a sysfs folder; None if neither works.
+    self.read_only_made = os.path.join(tmp, "read_only")
+    os.makedirs(self.read_only_made)
+    os.chmod(self.read_only_made, 0o555)
+    if not can_create_file_in(self.read_only_made):
+      self.read_only = self.read_only_made
+    elif os.path.isdir("/sys/kernel") and not can_create_file_in("/sys/kernel"):
+      self.read_only = "/sys/kernel"
+    else:
+      self.read_only = None
+    if self.read_only is not None:
+      self.read_only_before = listing(self.read_only)
+      specs["read_only"] = as_args({**self.missing_data, "workdir": self.read_only})
+      specs["read_only_new"] = as_args({**self.missing_data,
+                                        "workdir": os.path.join(self.read_only, "new")})
+    # An unmeetable memory budget.
+    specs["budget"] = as_args({**TINY, "data_path": data_path,
+                               "workdir": os.path.join(tmp, "budget"), "remat": "auto",
+                               "memory_budget": "1KiB", "remat_candidates": ["full"]})
+    # --remat_candidates: its help's example, and labels that name no candidate.
+    self.example = remat_candidates_example()
+    base = {**TINY, "data_path": data_path, "num_layers": 4, "steps": 2, "remat": "auto",
+            "memory_budget": "24MiB"}
+    for case, candidates in (("help", self.example), ("bogus", "bogus"),
+                             ("one_bogus", "full bogus")):
+      specs["candidates", case] = as_args({**base, "workdir": self.workdir(case),
+                                           "remat_candidates": candidates})
+    self.runs = gpt_driver.CliRuns(tmp, "start_up", specs, gpt_driver.xla_env())
+
+  def workdir(self, case: str) -> str:
+    return os.path.join(self.tmp, "candidates", case)
+
+  def close(self) -> None:
+    self.runs.close()
+    os.chmod(self.read_only_made, 0o755)
+
+
+@pytest.fixture(scope="module")
+def start_up(tmp_path_factory, corpus):
+  s = StartUp(str(tmp_path_factory.mktemp("start_up")), corpus)
+  yield s
+  s.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_start_up_early(request):
+  """Starts the start-up command lines before the first test, beside the
+  drivers (only when some selected test needs them)."""
+  if any("start_up" in item.fixturenames for item in request.session.items
+         if item.module is request.module):
+    request.getfixturevalue("start_up")
+
+
 # ---------------------------------------------------------------------------
 # CLI errors: every case starts at once, then all are collected.
 
@@ -324,72 +416,54 @@ def one_line_error(proc: subprocess.Popen) -> str:
   return lines[0]
 
 
-def test_unusable_workdir_stops_at_start_up(tmp_path):
+def one_line(rc: int, stderr: str) -> str:
+  """The only line on stderr, after checking that the run failed cleanly."""
+  assert rc != 0, stderr
+  assert "Traceback" not in stderr, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1, stderr
+  return lines[0]
+
+
+def test_unusable_workdir_stops_at_start_up(start_up):
   """A --workdir that is a file or lies under one: one line naming --workdir.
 
   --data_path names a missing file, so a message about the data would mean
   the workdir was checked only after loading it (and, before the check, a
-  run went on to compile and raised at its first write).
+  run went on to compile and raised at its first write). train.py's cases
+  ran in the start-up driver; sample.py's run here as commands.
   """
-  a_file = tmp_path / "a_file"
-  a_file.write_text("not a folder\n")
-  train_flags = {**TINY, "data_path": str(tmp_path / "missing.txt")}
+  a_file = start_up.a_file
   is_file = ["error: --workdir=", "a_file' is a file, not a directory"]
   under_file = ["error: --workdir=", "sub' lies under", "a_file', which is a file"]
-  cases = [  # (script, workdir, fragments of the one line)
-      (TRAIN, a_file, is_file), (TRAIN, a_file / "sub", under_file),
-      (SAMPLE, a_file, is_file), (SAMPLE, a_file / "sub", under_file),
-  ]
-  started = [(workdir, fragments, cli(script, *as_args(
-      {**(train_flags if script == TRAIN else {}), "workdir": workdir})))
-             for script, workdir, fragments in cases]
-  for workdir, fragments, proc in started:
-    message = one_line_error(proc)
+  started = [(workdir, fragments, cli(SAMPLE, *as_args({"workdir": workdir})))
+             for workdir, fragments in ((a_file, is_file),
+                                        (os.path.join(a_file, "sub"), under_file))]
+  outcomes = [(workdir, fragments, one_line_error(proc))
+              for workdir, fragments, proc in started]
+  for case, workdir, fragments in (("is_file", a_file, is_file),
+                                   ("under_file", os.path.join(a_file, "sub"), under_file)):
+    rc, _, stderr = start_up.runs[case]
+    outcomes.append((workdir, fragments, one_line(rc, stderr)))
+  for workdir, fragments, message in outcomes:
     for fragment in fragments:
       assert fragment in message, f"{workdir}: {fragment!r} not in {message!r}"
-  assert a_file.read_text() == "not a folder\n"
-  assert listing(tmp_path) == {"a_file"}
+  with open(a_file, encoding="utf-8") as f:
+    assert f.read() == "not a folder\n"
+  assert listing(start_up.unusable) == {"a_file"}
 
 
-def can_create_file_in(folder: str) -> bool:
-  try:
-    fd = os.open(os.path.join(folder, "probe"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-  except OSError:
-    return False
-  os.close(fd)
-  os.remove(os.path.join(folder, "probe"))
-  return True
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-  """A folder nobody can create files in: mode 0o555, or, for root (whom modes
-  do not stop), a sysfs folder; the test is skipped if neither works."""
-  folder = tmp_path / "read_only"
-  folder.mkdir()
-  folder.chmod(0o555)
-  try:
-    if not can_create_file_in(str(folder)):
-      yield str(folder)
-    elif os.path.isdir("/sys/kernel") and not can_create_file_in("/sys/kernel"):
-      yield "/sys/kernel"
-    else:
-      pytest.skip("running as root, and no read-only folder found to test with")
-  finally:
-    folder.chmod(0o755)
-
-
-def test_read_only_workdir_stops_at_start_up(read_only_dir, tmp_path):
-  before = listing(read_only_dir)
-  flags = {**TINY, "data_path": str(tmp_path / "missing.txt")}
-  started = [cli(TRAIN, *as_args({**flags, "workdir": read_only_dir})),
-             cli(TRAIN, *as_args({**flags, "workdir": os.path.join(read_only_dir, "new")}))]
-  existing, new = (one_line_error(proc) for proc in started)
+def test_read_only_workdir_stops_at_start_up(start_up):
+  read_only_dir = start_up.read_only
+  if read_only_dir is None:
+    pytest.skip("running as root, and no read-only folder found to test with")
+  existing, new = (one_line(*start_up.runs[case][::2]) for case in ("read_only",
+                                                                    "read_only_new"))
   assert existing.startswith(f"error: --workdir={read_only_dir!r} is a directory that "
                              "cannot be written to"), existing
   assert new.startswith(f"error: --workdir={os.path.join(read_only_dir, 'new')!r} does "
                         f"not exist and cannot be created: {read_only_dir!r}"), new
-  assert listing(read_only_dir) == before
+  assert listing(read_only_dir) == start_up.read_only_before
 
 
 def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
@@ -438,28 +512,18 @@ def test_resume_refuses_other_model_flags(drivers, tmp_path):
     assert sorted(os.walk(workdir)) == before
 
 
-def test_remat_candidates_help_example_plans_among_all_of_them(tmp_path, corpus):
+def test_remat_candidates_help_example_plans_among_all_of_them(start_up):
   """The example in --remat_candidates' help, as a shell passes it: once, its
   per-depth candidate was split at its comma into two labels that were
   dropped without a word, and it planned among 3. A label that names no
   candidate stops the run, named after --remat_candidates."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top,unused-import
-  example = flags.FLAGS["remat_candidates"].help.split("e.g. '", 1)[1].split("'", 1)[0]
-  assert example == "full nested save:mlp_hidden none:2,full:2"
-  base = {**TINY, "data_path": corpus, "num_layers": 4, "steps": 2, "remat": "auto",
-          "memory_budget": "24MiB"}
-  runs = {}
-  for case, candidates in (("help", example), ("bogus", "bogus"),
-                           ("one_bogus", "full bogus")):
-    workdir = str(tmp_path / case)
-    runs[case] = (workdir, cli(TRAIN, *as_args({**base, "workdir": workdir,
-                                                "remat_candidates": candidates})))
-  workdir, proc = runs.pop("help")
-  code, _, stderr = finish(proc)
+  example = remat_candidates_example()
+  assert example == start_up.example == "full nested save:mlp_hidden none:2,full:2"
+  code, _, stderr = start_up.runs["candidates", "help"]
   assert code == 0, stderr
   assert "remat report: 4 candidate plans" in stderr, stderr
-  with open(os.path.join(workdir, "remat_plan.json"), encoding="utf-8") as f:
+  with open(os.path.join(start_up.workdir("help"), "remat_plan.json"),
+            encoding="utf-8") as f:
     rows = json.load(f)["report"]["rows"]
   assert sorted(label for r in rows for label in r["plan"].values()) == sorted(
       example.split())
@@ -468,14 +532,14 @@ def test_remat_candidates_help_example_plans_among_all_of_them(tmp_path, corpus)
               "one_bogus": ["error: --remat_candidates='full bogus': st.plan_remat: "
                             "only=['full', 'bogus'] names 'bogus', which is no candidate",
                             "'save:mlp_hidden'", "'none:2,full:2'"]}
-  for case, (workdir, proc) in runs.items():
-    code, _, stderr = finish(proc)
+  for case, fragments in expected.items():
+    code, _, stderr = start_up.runs["candidates", case]
     # Progress is logged up to the planning; then one line, no traceback.
     errors = [line for line in stderr.splitlines() if not line.startswith(("I", "W"))]
     assert code != 0 and len(errors) == 1, stderr
-    for fragment in expected[case]:
+    for fragment in fragments:
       assert fragment in errors[0], f"{case}: {fragment!r} not in {errors[0]!r}"
-    assert not os.path.exists(workdir), case
+    assert not os.path.exists(start_up.workdir(case)), case
 
 
 def test_outputs_get_the_umask_mode(drivers):
@@ -592,10 +656,8 @@ def test_every_remat_and_block_trains(drivers, remat, block):
   assert_only_outputs(workdir)
 
 
-def test_unmeetable_memory_budget_stops_with_one_line(tmp_path, corpus):
-  flags = {**TINY, "data_path": corpus, "workdir": str(tmp_path / "work"),
-           "remat": "auto", "memory_budget": "1KiB", "remat_candidates": ["full"]}
-  code, _, stderr = finish(cli(TRAIN, *as_args(flags)))
+def test_unmeetable_memory_budget_stops_with_one_line(start_up):
+  code, _, stderr = start_up.runs["budget"]
   # Progress is logged up to the planning; then one line, no traceback.
   errors = [line for line in stderr.splitlines() if not line.startswith(("I", "W"))]
   assert code != 0 and len(errors) == 1, stderr
