@@ -25,7 +25,8 @@ What is checked, against numbers rather than "it runs":
 * KV-cache decoding equals the full forward pass (in this process);
 * bad flags, missing, unfinished, corrupt or mismatched checkpoints, a fresh
   start in a workdir with checkpoints: a one-line message, a non-zero exit,
-  no traceback, nothing written (CLI subprocesses, started together);
+  no traceback, nothing written (command lines, most of them one after
+  another in shared interpreters: ``gpt_driver.drive_cli``);
 * a --workdir that is a file, lies under one or cannot be written, and a
   --resume on a corpus with other characters, stop at start-up, before the
   data is loaded or the step compiled;
@@ -207,12 +208,21 @@ def remat_candidates_example() -> str:
   return flags.FLAGS["remat_candidates"].help.split("e.g. '", 1)[1].split("'", 1)[0]
 
 
+def write_garbage_checkpoint(workdir: str) -> None:
+  """A "committed" step folder of garbage: ``checkpoints/7/meta/metadata``."""
+  meta = os.path.join(workdir, "checkpoints", "7", "meta")
+  os.makedirs(meta)
+  with open(os.path.join(meta, "metadata"), "wb") as f:
+    f.write(b"this is not a checkpoint\x00\xff" * 40)
+
+
 class StartUp:
   """train.py's command lines of the start-up tests below (a workdir that is
   a file, lies under one or cannot be written; an unmeetable memory budget;
   --remat_candidates), run one after another in one interpreter
   (``gpt_driver.drive_cli``) as each would run alone, beside the training
-  drivers. The bad-flag test runs train.py as commands of their own too."""
+  drivers; and sample.py's start-up errors in another. The bad-flag test
+  runs train.py and sample.py as commands of their own too."""
 
   def __init__(self, tmp: str, data_path: str):
     self.tmp = tmp
@@ -257,12 +267,28 @@ class StartUp:
       specs["candidates", case] = as_args({**base, "workdir": self.workdir(case),
                                            "remat_candidates": candidates})
     self.runs = gpt_driver.CliRuns(tmp, "start_up", specs, gpt_driver.xla_env())
+    # sample.py's start-up errors of the bad-flag test (a workdir without a
+    # checkpoint, one with a garbage one) and of the unusable-workdir test,
+    # in a sample.py runner of their own; before: each workdir's listing.
+    self.empty = os.path.join(tmp, "empty")
+    os.makedirs(self.empty)
+    self.garbage = os.path.join(tmp, "garbage")
+    write_garbage_checkpoint(self.garbage)
+    sample_workdirs = {"no_ckpt": self.empty, "garbage": self.garbage,
+                       "is_file": self.a_file, "under_file": os.path.join(self.a_file, "sub")}
+    self.sample_before = {case: listing(sample_workdirs[case]) for case in ("no_ckpt",
+                                                                            "garbage")}
+    self.sample_runs = gpt_driver.CliRuns(
+        tmp, "start_up_sample",
+        {case: as_args({"workdir": workdir}) for case, workdir in sample_workdirs.items()},
+        gpt_driver.xla_env(), script=SAMPLE)
 
   def workdir(self, case: str) -> str:
     return os.path.join(self.tmp, "candidates", case)
 
   def close(self) -> None:
     self.runs.close()
+    self.sample_runs.close()
     os.chmod(self.read_only_made, 0o755)
 
 
@@ -286,18 +312,15 @@ def start_start_up_early(request):
 # CLI errors: every case starts at once, then all are collected.
 
 
-def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corpus):
+def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corpus,
+                                                                   start_up):
   short = tmp_path / "short.txt"
   short.write_text("the cat sat on the mat.\n" * 4)
   base = {**TINY, "data_path": corpus}
   garbage = tmp_path / "garbage"  # a "committed" step folder of garbage
-  (garbage / "checkpoints" / "7" / "meta").mkdir(parents=True)
-  (garbage / "checkpoints" / "7" / "meta" / "metadata").write_bytes(
-      b"this is not a checkpoint\x00\xff" * 40)
+  write_garbage_checkpoint(str(garbage))
   unfinished = tmp_path / "unfinished"  # only a save that never committed
   (unfinished / "checkpoints" / "10.orbax-checkpoint-tmp" / "params").mkdir(parents=True)
-  empty = tmp_path / "empty"
-  empty.mkdir()
 
   # (name, script, flags, fragments the message must contain)
   cases = [
@@ -328,7 +351,7 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
         "pass --resume", "new --workdir"]),
       ("sample_no_workdir", SAMPLE, {},
        ["error: --workdir=", "does not exist", "train first with python examples/gpt/train.py"]),
-      ("sample_no_ckpt", SAMPLE, {"workdir": str(empty)},
+      ("sample_no_ckpt", SAMPLE, {"workdir": start_up.empty},
        ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
       ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
        ["error: Stacked: CheckpointPolicy(nested=7)", "only 2 steps", "between 1 and 2"]),
@@ -361,23 +384,29 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
         "the kind 'global' has 0 layers", "num_layers >= 6"]),
       ("budget_no_auto", TRAIN, {"memory_budget": "8MiB"},
        ["--memory_budget and --remat_candidates need --remat=auto"]),
-      ("sample_garbage", SAMPLE, {"workdir": str(garbage)},
+      ("sample_garbage", SAMPLE, {"workdir": start_up.garbage},
        ["error:", "not a readable checkpoint"]),
   ]
-  # Each case of sample.py, and of train.py these few (a flag absl rejects,
-  # one that train.py rejects, a checkpoint Orbax cannot read), run as
-  # commands of their own; train.py's others run as the same commands, one
-  # after another in one interpreter (gpt_driver.drive_cli), which pays the
-  # imports once.
-  alone = {"remat", "no_data", "garbage"}
-  started, in_driver = [], []
+  # Two cases run as commands of their own: train.py on a checkpoint Orbax
+  # cannot read, and sample.py without a workdir (one line on stderr, no
+  # traceback, through absl's exit path of a real interpreter). train.py's
+  # others run as the same commands, one after another in one interpreter
+  # (gpt_driver.drive_cli), which pays the imports once; sample.py's others
+  # in the start-up fixture's sample.py runner (start_up.sample_runs).
+  alone = {"garbage", "sample_no_workdir"}
+  from_start_up = {"sample_no_ckpt": "no_ckpt", "sample_garbage": "garbage"}
+  started, in_driver, in_start_up = [], [], []
   for name, script, flags, fragments in cases:
     flags = {"workdir": str(tmp_path / "work" / name), **flags}
     args = as_args({**base, **flags}) if script == TRAIN else as_args(flags)
-    if script == TRAIN and name not in alone:
+    if name in from_start_up:
+      in_start_up.append((name, script, flags["workdir"], fragments,
+                          start_up.sample_before[from_start_up[name]]))
+    elif script == TRAIN and name not in alone:
       in_driver.append((name, script, flags["workdir"], fragments,
                         listing(flags["workdir"]), args))
     else:
+      assert name in alone, name
       started.append((name, script, flags["workdir"], fragments, listing(flags["workdir"]),
                       cli(script, *args)))
   driver, out_path = gpt_driver.start_cli_driver(
@@ -386,6 +415,8 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
   with open(out_path, encoding="utf-8") as f:
     driven = json.load(f)
   outcomes = [(*case[:-1], (r["rc"], r["stderr"])) for case, r in zip(in_driver, driven)]
+  outcomes += [(*case, start_up.sample_runs[from_start_up[case[0]]][::2])
+               for case in in_start_up]
   outcomes += [(*case, finish(proc)[::2]) for *case, proc in started]
   assert len(outcomes) == len(cases)
   for name, script, workdir, fragments, before, (rc, stderr) in outcomes:
@@ -401,19 +432,10 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
       assert "--resume" not in message[0], f"{name}: {message[0]!r}"
     assert listing(workdir) == before, f"{name} wrote to its workdir"
   assert not (tmp_path / "work").exists()
-  assert (garbage / "checkpoints" / "7" / "meta" / "metadata").read_bytes().startswith(
-      b"this is not")
+  for folder in (str(garbage), start_up.garbage):
+    with open(os.path.join(folder, "checkpoints", "7", "meta", "metadata"), "rb") as f:
+      assert f.read().startswith(b"this is not"), folder
   assert listing(str(unfinished / "checkpoints")) == {"10.orbax-checkpoint-tmp"}
-
-
-def one_line_error(proc: subprocess.Popen) -> str:
-  """The process's only line on stderr, after checking that it failed cleanly."""
-  rc, _, stderr = finish(proc)
-  assert rc != 0, stderr
-  assert "Traceback" not in stderr, stderr
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1, stderr
-  return lines[0]
 
 
 def one_line(rc: int, stderr: str) -> str:
@@ -431,20 +453,17 @@ def test_unusable_workdir_stops_at_start_up(start_up):
   --data_path names a missing file, so a message about the data would mean
   the workdir was checked only after loading it (and, before the check, a
   run went on to compile and raised at its first write). train.py's cases
-  ran in the start-up driver; sample.py's run here as commands.
+  ran in the start-up driver, sample.py's in the start-up sample.py runner.
   """
   a_file = start_up.a_file
   is_file = ["error: --workdir=", "a_file' is a file, not a directory"]
   under_file = ["error: --workdir=", "sub' lies under", "a_file', which is a file"]
-  started = [(workdir, fragments, cli(SAMPLE, *as_args({"workdir": workdir})))
-             for workdir, fragments in ((a_file, is_file),
-                                        (os.path.join(a_file, "sub"), under_file))]
-  outcomes = [(workdir, fragments, one_line_error(proc))
-              for workdir, fragments, proc in started]
+  outcomes = []
   for case, workdir, fragments in (("is_file", a_file, is_file),
                                    ("under_file", os.path.join(a_file, "sub"), under_file)):
-    rc, _, stderr = start_up.runs[case]
-    outcomes.append((workdir, fragments, one_line(rc, stderr)))
+    for runs in (start_up.runs, start_up.sample_runs):
+      rc, _, stderr = runs[case]
+      outcomes.append((workdir, fragments, one_line(rc, stderr)))
   for workdir, fragments, message in outcomes:
     for fragment in fragments:
       assert fragment in message, f"{workdir}: {fragment!r} not in {message!r}"
@@ -466,50 +485,112 @@ def test_read_only_workdir_stops_at_start_up(start_up):
   assert listing(read_only_dir) == start_up.read_only_before
 
 
-def test_resume_refuses_a_corpus_with_other_characters(drivers, tmp_path):
+def data_files(step_dir: str, item: str) -> list[str]:
+  """The files of one item's array data (OCDBT's ``d/`` folders)."""
+  return sorted(os.path.join(folder, name)
+                for folder, _, names in os.walk(os.path.join(step_dir, item))
+                if os.path.basename(folder) == "d" for name in names)
+
+
+class Resumes:
+  """train.py's --resume command lines on copies of the "full-fold" run's
+  checkpoints (another corpus, other model flags, damaged checkpoints), run
+  one after another in one interpreter (``gpt_driver.drive_cli``) as each
+  would run alone, started once the training drivers are done; sample.py on
+  a damaged one runs as a command of its own. ``before`` holds each
+  workdir's ``sorted(os.walk(...))`` from before the runs."""
+
+  def __init__(self, tmp: str, drivers: Drivers):
+    name = _run_name("full", "fold")
+    drivers.run(name)
+    self.source = os.path.join(drivers.workdir(name), "checkpoints")
+    self.workdirs = {}
+    flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "block": "fold",
+             "resume": True}
+    specs = {}
+    # As many characters as the checkpoint's, but '!' for '.'.
+    self.other_corpus = self.copy(tmp, "corpus")
+    other = os.path.join(tmp, "other.txt")
+    with open(drivers.data_path, encoding="utf-8") as f:
+      text = f.read().replace(".", "!")
+    with open(other, "w", encoding="utf-8") as f:
+      f.write(text)
+    specs["corpus"] = as_args({**flags, "data_path": other, "workdir": self.other_corpus})
+    # Other model flags (see test_resume_refuses_other_model_flags).
+    self.model_cases = {"heads": ({"num_heads": 4},
+                                  "--num_heads=2, but this run has --num_heads=4"),
+                        "pattern": ({"pattern": "LG", "window": 8},
+                                    "--pattern='', but this run has --pattern=LG")}
+    for case, (extra, _) in self.model_cases.items():
+      workdir = self.copy(tmp, case)
+      specs[case] = as_args({**TINY, "data_path": drivers.data_path, "remat": "full",
+                             "resume": True, "workdir": workdir, **extra})
+    # Damaged (see test_damaged_real_checkpoints_fail_cleanly).
+    for case in ("truncated", "flipped", "missing", "other_model"):
+      self.copy(tmp, case)
+    step_dir = lambda case: os.path.join(self.workdirs[case], "checkpoints", str(STEPS))
+    for path in data_files(step_dir("truncated"), "params"):
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    for path in data_files(step_dir("flipped"), "params"):
+      with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    shutil.rmtree(os.path.join(step_dir("missing"), "opt_state"))
+    for case in ("truncated", "flipped", "missing"):
+      specs[case] = as_args({**flags, "workdir": self.workdirs[case]})
+    specs["other_model"] = as_args({**flags, "workdir": self.workdirs["other_model"],
+                                    "num_layers": NUM_LAYERS + 1})
+    self.before = {case: sorted(os.walk(workdir)) for case, workdir in self.workdirs.items()}
+    self.runs = gpt_driver.CliRuns(tmp, "resumes", specs, gpt_driver.xla_env())
+    self.sample_flipped = cli(SAMPLE, f"--workdir={self.workdirs['flipped']}",
+                              "--prompt=the ")
+
+  def copy(self, tmp: str, case: str) -> str:
+    """A workdir for ``case`` holding a copy of the checkpoints."""
+    workdir = self.workdirs[case] = os.path.join(tmp, case)
+    shutil.copytree(self.source, os.path.join(workdir, "checkpoints"))
+    return workdir
+
+  def close(self) -> None:
+    self.runs.close()
+    if self.sample_flipped.poll() is None:
+      self.sample_flipped.kill()
+      self.sample_flipped.communicate()
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory, drivers):
+  r = Resumes(str(tmp_path_factory.mktemp("resumes")), drivers)
+  yield r
+  r.close()
+
+
+def test_resume_refuses_a_corpus_with_other_characters(resumes):
   """As many characters as the checkpoint's, but '!' for '.': before the check,
   every id from '!' on silently stood for another character, and it trained."""
-  name = _run_name("full", "fold")
-  drivers.run(name)
-  workdir = tmp_path / "work"
-  workdir.mkdir()
-  shutil.copytree(os.path.join(drivers.workdir(name), "checkpoints"), workdir / "checkpoints")
-  other = tmp_path / "other.txt"
-  with open(drivers.data_path, encoding="utf-8") as f:
-    other.write_text(f.read().replace(".", "!"), encoding="utf-8")
-  flags = {**TINY, "data_path": other, "remat": "full", "block": "fold",
-           "resume": True, "workdir": workdir}
-  message = one_line_error(cli(TRAIN, *as_args(flags)))
+  message = one_line(*resumes.runs["corpus"][::2])
   for fragment in ("error: --resume:", "1 ('!') only in the corpus",
                    "1 ('.') only in the checkpoint", "--data_path", "new --workdir"):
     assert fragment in message, f"{fragment!r} not in {message!r}"
-  assert listing(workdir) == {"checkpoints"}
+  assert listing(resumes.other_corpus) == {"checkpoints"}
+  assert sorted(os.walk(resumes.other_corpus)) == resumes.before["corpus"]
 
 
-def test_resume_refuses_other_model_flags(drivers, tmp_path):
+def test_resume_refuses_other_model_flags(resumes):
   """--num_heads leaves every parameter's shape as it was: before the check
   of MODEL_FLAGS, a resume with another --num_heads trained on as another
   model. A flag whose change the shapes show (--pattern) is named too."""
-  name = _run_name("full", "fold")
-  drivers.run(name)
-  cases = {"heads": ({"num_heads": 4}, "--num_heads=2, but this run has --num_heads=4"),
-           "pattern": ({"pattern": "LG", "window": 8},
-                       "--pattern='', but this run has --pattern=LG")}
-  started = []
-  for case, (flags, fragment) in cases.items():
-    workdir = tmp_path / case
-    shutil.copytree(os.path.join(drivers.workdir(name), "checkpoints"),
-                    workdir / "checkpoints")
-    flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "resume": True,
-             "workdir": workdir, **flags}
-    started.append((workdir, fragment, sorted(os.walk(workdir)), cli(TRAIN, *as_args(flags))))
-  for workdir, fragment, before, proc in started:
-    message = one_line_error(proc)
-    for part in (f"error: --resume: the checkpoint in {str(workdir)!r} was trained with",
+  for case, (_, fragment) in resumes.model_cases.items():
+    workdir = resumes.workdirs[case]
+    message = one_line(*resumes.runs[case][::2])
+    for part in (f"error: --resume: the checkpoint in {workdir!r} was trained with",
                  fragment, "--num_layers, --num_heads, --d_model, --seq_len, --pattern, "
                  "--window, --stack, --bias must be the checkpoint's", "new --workdir"):
       assert part in message, f"{part!r} not in {message!r}"
-    assert sorted(os.walk(workdir)) == before
+    assert sorted(os.walk(workdir)) == resumes.before[case]
 
 
 def test_remat_candidates_help_example_plans_among_all_of_them(start_up):
@@ -567,64 +648,30 @@ def test_start_removes_stale_temp_files(drivers):
   assert_only_outputs(drivers.workdir(STALE_RUN))
 
 
-def data_files(step_dir: str, item: str) -> list[str]:
-  """The files of one item's array data (OCDBT's ``d/`` folders)."""
-  return sorted(os.path.join(folder, name)
-                for folder, _, names in os.walk(os.path.join(step_dir, item))
-                if os.path.basename(folder) == "d" for name in names)
-
-
-def test_damaged_real_checkpoints_fail_cleanly(drivers, tmp_path):
+def test_damaged_real_checkpoints_fail_cleanly(resumes):
   """A real checkpoint with its parameter data cut short or one byte flipped,
   with its optimizer state missing, or resumed with other model flags."""
-  name = _run_name("full", "fold")
-  drivers.run(name)
-  source = os.path.join(drivers.workdir(name), "checkpoints")
-  workdirs = {}
-  for case in ("truncated", "flipped", "missing", "other_model"):
-    workdirs[case] = tmp_path / case
-    shutil.copytree(source, workdirs[case] / "checkpoints")
-  step_dir = lambda case: str(workdirs[case] / "checkpoints" / str(STEPS))
-  for path in data_files(step_dir("truncated"), "params"):
-    with open(path, "r+b") as f:
-      f.truncate(os.path.getsize(path) // 2)
-  for path in data_files(step_dir("flipped"), "params"):
-    with open(path, "r+b") as f:
-      data = bytearray(f.read())
-      data[len(data) // 2] ^= 0xFF
-      f.seek(0)
-      f.write(data)
-  shutil.rmtree(os.path.join(step_dir("missing"), "opt_state"))
-  before = {case: sorted(os.walk(workdir)) for case, workdir in workdirs.items()}
-  flags = {**TINY, "data_path": drivers.data_path, "remat": "full", "block": "fold",
-           "resume": True}
   unreadable = ["error: --resume:", f"checkpoints/{STEPS} is not a readable checkpoint",
                 "delete that folder"]
-  cases = [  # (case, process, fragments of the last line of stderr)
-      ("truncated", cli(TRAIN, *as_args({**flags, "workdir": workdirs["truncated"]})),
-       unreadable),
-      ("flipped", cli(TRAIN, *as_args({**flags, "workdir": workdirs["flipped"]})),
-       unreadable),
-      ("flipped", cli(SAMPLE, f"--workdir={workdirs['flipped']}", "--prompt=the "),
-       ["error:", "not a readable checkpoint"]),
-      ("missing", cli(TRAIN, *as_args({**flags, "workdir": workdirs["missing"]})),
-       unreadable + ["opt_state"]),
-      ("other_model", cli(TRAIN, *as_args({**flags, "workdir": workdirs["other_model"],
-                                           "num_layers": NUM_LAYERS + 1})),
+  cases = [  # (case, (exit status, stderr), fragments of the last line of stderr)
+      ("truncated", resumes.runs["truncated"][::2], unreadable),
+      ("flipped", resumes.runs["flipped"][::2], unreadable),
+      ("flipped", finish(resumes.sample_flipped)[::2], ["error:", "not a readable checkpoint"]),
+      ("missing", resumes.runs["missing"][::2], unreadable + ["opt_state"]),
+      ("other_model", resumes.runs["other_model"][::2],
        # Named from the checkpoint's config, before its arrays are read (the
        # arrays' own check: gpt_linear_test.py).
        ["error: --resume:", f"was trained with --num_layers={NUM_LAYERS}, but this "
         f"run has --num_layers={NUM_LAYERS + 1}", "must be the checkpoint's"]),
   ]
-  for case, proc, fragments in cases:
-    rc, _, stderr = finish(proc)
+  for case, (rc, stderr), fragments in cases:
     assert rc != 0 and "Traceback" not in stderr, stderr
     # Reading the arrays comes after start-up logging; the error is the last line.
     last = stderr.strip().splitlines()[-1]
     for fragment in fragments:
       assert fragment in last, f"{case}: {fragment!r} not in {last!r}"
-  for case, workdir in workdirs.items():  # left as they were
-    assert sorted(os.walk(workdir)) == before[case], case
+  for case in ("truncated", "flipped", "missing", "other_model"):  # left as they were
+    assert sorted(os.walk(resumes.workdirs[case])) == resumes.before[case], case
 
 
 # ---------------------------------------------------------------------------
