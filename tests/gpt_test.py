@@ -216,6 +216,94 @@ def write_garbage_checkpoint(workdir: str) -> None:
     f.write(b"this is not a checkpoint\x00\xff" * 40)
 
 
+# Bad-flag cases run as commands of their own (see the bad-flag test).
+BAD_FLAGS_ALONE = {"garbage", "sample_no_workdir"}
+
+
+def bad_flag_cases(tmp: str, empty: str, sample_garbage: str):
+  """The bad-flag test's cases and their files, in ``tmp``: ``(cases,
+  garbage, unfinished)``; each case ``(name, script, flags with --workdir,
+  fragments)``. sample.py's workdirs ``empty`` (no checkpoint) and
+  ``sample_garbage`` are the start-up sample.py runner's."""
+  os.makedirs(tmp)
+  short = os.path.join(tmp, "short.txt")
+  with open(short, "w", encoding="utf-8") as f:
+    f.write("the cat sat on the mat.\n" * 4)
+  garbage = os.path.join(tmp, "garbage")  # a "committed" step folder of garbage
+  write_garbage_checkpoint(garbage)
+  unfinished = os.path.join(tmp, "unfinished")  # only a save that never committed
+  os.makedirs(os.path.join(unfinished, "checkpoints", "10.orbax-checkpoint-tmp", "params"))
+
+  # (name, script, flags, fragments the message must contain)
+  cases = [
+      ("remat", TRAIN, {"remat": "bogus"},
+       ["--remat", *REMATS]),
+      ("block", TRAIN, {"block": "bogus"}, ["--block", "fold", "scan"]),
+      ("stack", TRAIN, {"stack": "bogus"}, ["--stack", "scan", "unrolled"]),
+      ("heads", TRAIN, {"d_model": 15, "num_heads": 2},
+       ["--d_model", "divisible", "--num_heads"]),
+      ("layers", TRAIN, {"num_layers": 0}, ["--num_layers", "positive"]),
+      ("batch", TRAIN, {"batch_size": 0}, ["--batch_size", "positive"]),
+      ("no_data", TRAIN, {"data_path": os.path.join(tmp, "missing.txt")},
+       ["--data_path", "missing.txt", "does not exist"]),
+      ("short_data", TRAIN, {"data_path": short},
+       ["--data_path", "fewer than one batch"]),
+      ("save_names", TRAIN, {"save_names": "attn_out,bogus"},
+       ["--save_names", ", ".join(model_lib.CHECKPOINT_NAMES)]),
+      ("save_names_none", TRAIN, {"save_names": "attn_out", "remat": "none"},
+       ["--save_names", "--remat"]),
+      ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
+      ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
+      ("garbage", TRAIN, {"resume": True, "workdir": garbage},
+       ["error: --resume:", "checkpoints/7 is not a readable checkpoint"]),
+      ("unfinished", TRAIN, {"resume": True, "workdir": unfinished},
+       ["error: --resume: No checkpoint in", "unfinished/checkpoints"]),
+      ("fresh_over_checkpoints", TRAIN, {"workdir": garbage},
+       ["error: --workdir=", "holds the checkpoints of an earlier run (steps 7)",
+        "pass --resume", "new --workdir"]),
+      ("sample_no_workdir", SAMPLE, {},
+       ["error: --workdir=", "does not exist", "train first with python examples/gpt/train.py"]),
+      ("sample_no_ckpt", SAMPLE, {"workdir": empty},
+       ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
+      ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
+       ["error: Stacked: CheckpointPolicy(nested=7)", "only 2 steps", "between 1 and 2"]),
+      ("per_depth_count", TRAIN, {"remat": "none:1,full:2", "num_layers": 2},
+       ["error: Stacked: st.per_depth(none:1,full:2) covers 3 layers",
+        "the stack has 2"]),
+      ("per_depth_alias", TRAIN, {"remat": "none:1,bogus:1"},
+       ["--remat:", "remat='bogus' is not a checkpoint policy"]),
+      ("per_depth_separator", TRAIN, {"remat": "none:1;full:1"},
+       ["--remat:", "segments are separated by commas, not ';': write 'none:1,full:1'"]),
+      ("auto_no_budget", TRAIN, {"remat": "auto"},
+       ["--remat=auto needs --memory_budget"]),
+      ("candidates_commas", TRAIN,
+       {"remat": "auto", "memory_budget": "24MiB", "remat_candidates": "full,nested"},
+       ["--remat_candidates: 'full,nested' is not one candidate",
+        "--remat_candidates='full nested'"]),
+      ("save_names_auto", TRAIN,
+       {"save_names": "attn_out", "remat": "auto", "memory_budget": "24MiB"},
+       ["--save_names needs --remat full, nested or offload (--remat=auto chooses",
+        "--remat_candidates='full save:mlp_hidden'"]),
+      ("save_names_per_depth", TRAIN, {"save_names": "attn_out", "remat": "none:1,full:1"},
+       ["--save_names needs", "(a per-depth --remat gives each segment an alias"]),
+      ("window_no_pattern", TRAIN, {"window": 16},
+       ["window=16, pattern=:", "--window is the span of the L layers of --pattern"]),
+      ("warmup", TRAIN, {"warmup_steps": 100, "steps": 4},
+       ["warmup_steps=100, steps=4:", "--warmup_steps must be less than --steps"]),
+      ("pattern_kind_without_layers", TRAIN,
+       {"pattern": "LLLLLG", "num_layers": 4, "window": 8},
+       ["error: Stacked: num_layers=4 ends before the first 'global' layer",
+        "the kind 'global' has 0 layers", "num_layers >= 6"]),
+      ("budget_no_auto", TRAIN, {"memory_budget": "8MiB"},
+       ["--memory_budget and --remat_candidates need --remat=auto"]),
+      ("sample_garbage", SAMPLE, {"workdir": sample_garbage},
+       ["error:", "not a readable checkpoint"]),
+  ]
+  cases = [(name, script, {"workdir": os.path.join(tmp, "work", name), **flags}, fragments)
+           for name, script, flags, fragments in cases]
+  return cases, garbage, unfinished
+
+
 class StartUp:
   """train.py's command lines of the start-up tests below (a workdir that is
   a file, lies under one or cannot be written; an unmeetable memory budget;
@@ -266,14 +354,23 @@ class StartUp:
                              ("one_bogus", "full bogus")):
       specs["candidates", case] = as_args({**base, "workdir": self.workdir(case),
                                            "remat_candidates": candidates})
-    self.runs = gpt_driver.CliRuns(tmp, "start_up", specs, gpt_driver.xla_env())
-    # sample.py's start-up errors of the bad-flag test (a workdir without a
-    # checkpoint, one with a garbage one) and of the unusable-workdir test,
-    # in a sample.py runner of their own; before: each workdir's listing.
+    # The bad-flag test's train.py cases but one (BAD_FLAGS_ALONE).
+    self.data_path = data_path
     self.empty = os.path.join(tmp, "empty")
     os.makedirs(self.empty)
     self.garbage = os.path.join(tmp, "garbage")
     write_garbage_checkpoint(self.garbage)
+    self.bad_flags = os.path.join(tmp, "bad_flags")
+    self.bad_flag_cases = bad_flag_cases(self.bad_flags, self.empty, self.garbage)
+    self.bad_flag_before = {}
+    for name, script, flags, _ in self.bad_flag_cases[0]:
+      if script == TRAIN and name not in BAD_FLAGS_ALONE:
+        self.bad_flag_before[name] = listing(flags["workdir"])
+        specs["bad_flags", name] = as_args({**TINY, "data_path": data_path, **flags})
+    self.runs = gpt_driver.CliRuns(tmp, "start_up", specs, gpt_driver.xla_env())
+    # sample.py's start-up errors of the bad-flag test (a workdir without a
+    # checkpoint, one with a garbage one) and of the unusable-workdir test,
+    # in a sample.py runner of their own; before: each workdir's listing.
     sample_workdirs = {"no_ckpt": self.empty, "garbage": self.garbage,
                        "is_file": self.a_file, "under_file": os.path.join(self.a_file, "sub")}
     self.sample_before = {case: listing(sample_workdirs[case]) for case in ("no_ckpt",
@@ -309,114 +406,35 @@ def start_start_up_early(request):
 
 
 # ---------------------------------------------------------------------------
-# CLI errors: every case starts at once, then all are collected.
+# CLI errors: most cases ran in the start-up runners; the rest run here.
 
 
-def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corpus,
-                                                                   start_up):
-  short = tmp_path / "short.txt"
-  short.write_text("the cat sat on the mat.\n" * 4)
-  base = {**TINY, "data_path": corpus}
-  garbage = tmp_path / "garbage"  # a "committed" step folder of garbage
-  write_garbage_checkpoint(str(garbage))
-  unfinished = tmp_path / "unfinished"  # only a save that never committed
-  (unfinished / "checkpoints" / "10.orbax-checkpoint-tmp" / "params").mkdir(parents=True)
-
-  # (name, script, flags, fragments the message must contain)
-  cases = [
-      ("remat", TRAIN, {"remat": "bogus"},
-       ["--remat", *REMATS]),
-      ("block", TRAIN, {"block": "bogus"}, ["--block", "fold", "scan"]),
-      ("stack", TRAIN, {"stack": "bogus"}, ["--stack", "scan", "unrolled"]),
-      ("heads", TRAIN, {"d_model": 15, "num_heads": 2},
-       ["--d_model", "divisible", "--num_heads"]),
-      ("layers", TRAIN, {"num_layers": 0}, ["--num_layers", "positive"]),
-      ("batch", TRAIN, {"batch_size": 0}, ["--batch_size", "positive"]),
-      ("no_data", TRAIN, {"data_path": str(tmp_path / "missing.txt")},
-       ["--data_path", "missing.txt", "does not exist"]),
-      ("short_data", TRAIN, {"data_path": str(short)},
-       ["--data_path", "fewer than one batch"]),
-      ("save_names", TRAIN, {"save_names": "attn_out,bogus"},
-       ["--save_names", ", ".join(model_lib.CHECKPOINT_NAMES)]),
-      ("save_names_none", TRAIN, {"save_names": "attn_out", "remat": "none"},
-       ["--save_names", "--remat"]),
-      ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
-      ("no_ckpt", TRAIN, {"resume": True}, ["error: --resume: No checkpoint"]),
-      ("garbage", TRAIN, {"resume": True, "workdir": str(garbage)},
-       ["error: --resume:", "checkpoints/7 is not a readable checkpoint"]),
-      ("unfinished", TRAIN, {"resume": True, "workdir": str(unfinished)},
-       ["error: --resume: No checkpoint in", "unfinished/checkpoints"]),
-      ("fresh_over_checkpoints", TRAIN, {"workdir": str(garbage)},
-       ["error: --workdir=", "holds the checkpoints of an earlier run (steps 7)",
-        "pass --resume", "new --workdir"]),
-      ("sample_no_workdir", SAMPLE, {},
-       ["error: --workdir=", "does not exist", "train first with python examples/gpt/train.py"]),
-      ("sample_no_ckpt", SAMPLE, {"workdir": start_up.empty},
-       ["error: No checkpoint", "Train first with python examples/gpt/train.py --workdir="]),
-      ("nested_outer", TRAIN, {"remat": "nested", "nested_outer": 7, "num_layers": 2},
-       ["error: Stacked: CheckpointPolicy(nested=7)", "only 2 steps", "between 1 and 2"]),
-      ("per_depth_count", TRAIN, {"remat": "none:1,full:2", "num_layers": 2},
-       ["error: Stacked: st.per_depth(none:1,full:2) covers 3 layers",
-        "the stack has 2"]),
-      ("per_depth_alias", TRAIN, {"remat": "none:1,bogus:1"},
-       ["--remat:", "remat='bogus' is not a checkpoint policy"]),
-      ("per_depth_separator", TRAIN, {"remat": "none:1;full:1"},
-       ["--remat:", "segments are separated by commas, not ';': write 'none:1,full:1'"]),
-      ("auto_no_budget", TRAIN, {"remat": "auto"},
-       ["--remat=auto needs --memory_budget"]),
-      ("candidates_commas", TRAIN,
-       {"remat": "auto", "memory_budget": "24MiB", "remat_candidates": "full,nested"},
-       ["--remat_candidates: 'full,nested' is not one candidate",
-        "--remat_candidates='full nested'"]),
-      ("save_names_auto", TRAIN,
-       {"save_names": "attn_out", "remat": "auto", "memory_budget": "24MiB"},
-       ["--save_names needs --remat full, nested or offload (--remat=auto chooses",
-        "--remat_candidates='full save:mlp_hidden'"]),
-      ("save_names_per_depth", TRAIN, {"save_names": "attn_out", "remat": "none:1,full:1"},
-       ["--save_names needs", "(a per-depth --remat gives each segment an alias"]),
-      ("window_no_pattern", TRAIN, {"window": 16},
-       ["window=16, pattern=:", "--window is the span of the L layers of --pattern"]),
-      ("warmup", TRAIN, {"warmup_steps": 100, "steps": 4},
-       ["warmup_steps=100, steps=4:", "--warmup_steps must be less than --steps"]),
-      ("pattern_kind_without_layers", TRAIN,
-       {"pattern": "LLLLLG", "num_layers": 4, "window": 8},
-       ["error: Stacked: num_layers=4 ends before the first 'global' layer",
-        "the kind 'global' has 0 layers", "num_layers >= 6"]),
-      ("budget_no_auto", TRAIN, {"memory_budget": "8MiB"},
-       ["--memory_budget and --remat_candidates need --remat=auto"]),
-      ("sample_garbage", SAMPLE, {"workdir": start_up.garbage},
-       ["error:", "not a readable checkpoint"]),
-  ]
+def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(start_up):
   # Two cases run as commands of their own: train.py on a checkpoint Orbax
   # cannot read, and sample.py without a workdir (one line on stderr, no
   # traceback, through absl's exit path of a real interpreter). train.py's
-  # others run as the same commands, one after another in one interpreter
-  # (gpt_driver.drive_cli), which pays the imports once; sample.py's others
-  # in the start-up fixture's sample.py runner (start_up.sample_runs).
-  alone = {"garbage", "sample_no_workdir"}
+  # others ran as the same commands, one after another in the start-up
+  # fixture's train.py runner (gpt_driver.drive_cli), which pays the imports
+  # once; sample.py's others in its sample.py runner.
+  cases, garbage, unfinished = start_up.bad_flag_cases
   from_start_up = {"sample_no_ckpt": "no_ckpt", "sample_garbage": "garbage"}
-  started, in_driver, in_start_up = [], [], []
+  started, outcomes = [], []
   for name, script, flags, fragments in cases:
-    flags = {"workdir": str(tmp_path / "work" / name), **flags}
-    args = as_args({**base, **flags}) if script == TRAIN else as_args(flags)
-    if name in from_start_up:
-      in_start_up.append((name, script, flags["workdir"], fragments,
-                          start_up.sample_before[from_start_up[name]]))
-    elif script == TRAIN and name not in alone:
-      in_driver.append((name, script, flags["workdir"], fragments,
-                        listing(flags["workdir"]), args))
-    else:
-      assert name in alone, name
+    if name in BAD_FLAGS_ALONE:
+      args = as_args({**TINY, "data_path": start_up.data_path, **flags}) if script == TRAIN \
+          else as_args(flags)
       started.append((name, script, flags["workdir"], fragments, listing(flags["workdir"]),
                       cli(script, *args)))
-  driver, out_path = gpt_driver.start_cli_driver(
-      str(tmp_path), "bad_flags", [case[-1] for case in in_driver], gpt_driver.xla_env())
-  wait(driver)
-  with open(out_path, encoding="utf-8") as f:
-    driven = json.load(f)
-  outcomes = [(*case[:-1], (r["rc"], r["stderr"])) for case, r in zip(in_driver, driven)]
-  outcomes += [(*case, start_up.sample_runs[from_start_up[case[0]]][::2])
-               for case in in_start_up]
+  for name, script, flags, fragments in cases:
+    if name in from_start_up:
+      outcomes.append((name, script, flags["workdir"], fragments,
+                       start_up.sample_before[from_start_up[name]],
+                       start_up.sample_runs[from_start_up[name]][::2]))
+    elif name not in BAD_FLAGS_ALONE:
+      assert script == TRAIN, name
+      outcomes.append((name, script, flags["workdir"], fragments,
+                       start_up.bad_flag_before[name],
+                       start_up.runs["bad_flags", name][::2]))
   outcomes += [(*case, finish(proc)[::2]) for *case, proc in started]
   assert len(outcomes) == len(cases)
   for name, script, workdir, fragments, before, (rc, stderr) in outcomes:
@@ -431,11 +449,11 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(tmp_path, corp
     if script == SAMPLE:  # a flag that sample.py does not have
       assert "--resume" not in message[0], f"{name}: {message[0]!r}"
     assert listing(workdir) == before, f"{name} wrote to its workdir"
-  assert not (tmp_path / "work").exists()
-  for folder in (str(garbage), start_up.garbage):
+  assert not os.path.exists(os.path.join(start_up.bad_flags, "work"))
+  for folder in (garbage, start_up.garbage):
     with open(os.path.join(folder, "checkpoints", "7", "meta", "metadata"), "rb") as f:
       assert f.read().startswith(b"this is not"), folder
-  assert listing(str(unfinished / "checkpoints")) == {"10.orbax-checkpoint-tmp"}
+  assert listing(os.path.join(unfinished, "checkpoints")) == {"10.orbax-checkpoint-tmp"}
 
 
 def one_line(rc: int, stderr: str) -> str:
