@@ -271,35 +271,34 @@ def assert_trees_close(actual: dict, expected: dict, rtol: float = RTOL) -> None
 
 
 def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
-  cases = [  # (name, devices, flags, fragments of the one line)
-      ("unparsable", 8, {"mesh": "data4"}, ["--mesh='data4'", "does not parse", "data:4,fsdp:2"]),
-      ("unknown_axis", 8, {"mesh": "data:4,model:2"}, ["'model'", "data, fsdp"]),
-      ("wrong_count", 8, {"mesh": "data:4,fsdp:4"}, ["16 devices", "there are 8"]),
-      ("batch", 8, {"mesh": "data:8", "batch_size": 12},
-       ["--batch_size=12", "data axis (8)"]),
-      ("no_coordinator", 2, {"num_processes": 2, "process_id": 0},
+  cases = [  # (name, flags, fragments of the one line)
+      ("unparsable", {"mesh": "data4"}, ["--mesh='data4'", "does not parse", "data:4,fsdp:2"]),
+      ("unknown_axis", {"mesh": "data:4,model:2"}, ["'model'", "data, fsdp"]),
+      ("wrong_count", {"mesh": "data:4,fsdp:4"}, ["16 devices", "there are 8"]),
+      ("batch", {"mesh": "data:8", "batch_size": 12}, ["--batch_size=12", "data axis (8)"]),
+      ("no_coordinator", {"num_processes": 2, "process_id": 0},
        ["--num_processes=2", "--coordinator_address"]),
-      ("process_id_too_big", 2, {"num_processes": 2, "process_id": 2,
-                                 "coordinator_address": "127.0.0.1:1"},
+      ("process_id_too_big", {"num_processes": 2, "process_id": 2,
+                              "coordinator_address": "127.0.0.1:1"},
        ["--process_id=2", "0..1"]),
-      ("no_process_id", 2, {"num_processes": 2, "coordinator_address": "127.0.0.1:1"},
+      ("no_process_id", {"num_processes": 2, "coordinator_address": "127.0.0.1:1"},
        ["--process_id", "0..1"]),
   ]
   corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
-  # The command lines run one after another in one interpreter per device
-  # count (gpt_driver.drive_cli), as each would run alone.
-  outcomes = []
-  for count in sorted({devices for _, devices, _, _ in cases}):
-    mine = [(name, tmp_path / "work" / name, fragments, flags)
-            for name, devices, flags, fragments in cases if devices == count]
-    proc, out_path = gpt.start_cli_driver(
-        str(tmp_path), f"devices{count}",
-        [gpt.as_args({**TINY, "data_path": corpus, "workdir": workdir, **flags})
-         for _, workdir, _, flags in mine], xla_env(count))
-    wait(proc)
-    with open(out_path, encoding="utf-8") as f:
-      outcomes += [(name, workdir, fragments, r["rc"], r["stderr"])
-                   for (name, workdir, fragments, _), r in zip(mine, json.load(f))]
+  # The command lines run one after another in one interpreter on 8 devices
+  # (gpt_driver.drive_cli), as each would run alone. The process flags are
+  # checked (distributed.initialize) before any device is counted or joined,
+  # so they stop the same on 8 devices as on 2.
+  mine = [(name, tmp_path / "work" / name, fragments, flags)
+          for name, flags, fragments in cases]
+  proc, out_path = gpt.start_cli_driver(
+      str(tmp_path), "devices8",
+      [gpt.as_args({**TINY, "data_path": corpus, "workdir": workdir, **flags})
+       for _, workdir, _, flags in mine], xla_env(8))
+  wait(proc)
+  with open(out_path, encoding="utf-8") as f:
+    outcomes = [(name, workdir, fragments, r["rc"], r["stderr"])
+                for (name, workdir, fragments, _), r in zip(mine, json.load(f))]
   assert len(outcomes) == len(cases)
   for name, workdir, fragments, returncode, stderr in outcomes:
     assert returncode != 0, name
