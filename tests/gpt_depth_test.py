@@ -20,6 +20,7 @@ checked:
   (bad flags: their command lines in one interpreter, ``gpt_driver.CliRuns``).
 """
 
+import functools
 import json
 import os
 
@@ -228,6 +229,14 @@ def test_bad_flags_stop_at_start_up(bad_flags, flags, fragments):
 
 
 def _gpt_params(num_layers, pattern="", seed=0):
+  """A tiny GPT's parameters on the host: a copy of those initialised once per
+  model and seed (the tests ask for the same few models many times)."""
+  return {module: {name: value.copy() for name, value in bundle.items()}
+          for module, bundle in _gpt_params_once(num_layers, pattern, seed).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_params_once(num_layers, pattern, seed):
   cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=num_layers, num_heads=2,
                             d_model=8, pattern=pattern, window=4 if pattern else 0)
   model = hk.transform(lambda t: model_lib.forward(cfg, t))
