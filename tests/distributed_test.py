@@ -166,13 +166,18 @@ class Runs:
 
   def _restore_on_one_device(self) -> None:
     """``train.py --resume`` of the SAVED_ON checkpoint on one device, once the
-    8-device driver (which restores it on fsdp:8 too) is done with it."""
+    8-device driver (which restores it on fsdp:8 too) is done with it.
+
+    Its command line runs as it would alone (``gpt_driver.drive_cli``), but
+    without matplotlib, as the drivers do: no loss.png redrawn into the
+    SAVED_ON workdir (a second of CPU), which no test reads.
+    """
     try:
       self.drivers[8][0].wait(timeout=600)
       flags = self.flags(SAVED_ON, resume=True, export_npz=self.export("one device restore"))
-      self.one_device_restore = start([sys.executable, TRAIN, *gpt.as_args(flags)],
-                                      xla_env(1), os.path.join(self.tmp, "restore1.log"))
-      self.procs.append(self.one_device_restore)
+      self.one_device_restore = gpt.start_cli_driver(self.tmp, "restore1",
+                                                     [gpt.as_args(flags)], xla_env(1))
+      self.procs.append(self.one_device_restore[0])
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
@@ -199,10 +204,13 @@ class Runs:
     return [wait(p) for p in self.resumed]
 
   def one_device_restore_log(self) -> str:
+    """What the one-device restore logged (its stderr), after checking it succeeded."""
     self.restore_thread.join(timeout=600)
     if self.error is not None:
       raise self.error
-    return wait(self.one_device_restore)
+    (result,) = gpt.cli_results(self.one_device_restore)
+    assert result["rc"] == 0, f"one device restore failed:\n{result['stderr'][-5000:]}"
+    return result["stderr"]
 
   def close(self) -> None:
     self.thread.join(timeout=600)
