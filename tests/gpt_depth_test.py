@@ -16,13 +16,13 @@ checked:
   ``st.unstack_params`` (parameters, and AdamW and ``st.over_layers`` state
   row by row), plain and mixed-layer;
 * an index out of range, an edit that breaks the pattern, a stack name that
-  does not exist, a depth map without --init_from: one line, nothing written.
+  does not exist, a depth map without --init_from: one line, nothing written
+  (bad flags: their command lines in one interpreter, ``gpt_driver.CliRuns``).
 """
 
+import functools
 import json
 import os
-import subprocess
-import sys
 
 import haiku as hk
 import jax
@@ -182,25 +182,46 @@ def test_resume_under_other_optimizer_flags_names_them(runs, name, saved, given)
   assert gpt_driver.load_meta(two)["step"] == STEPS
 
 
-@pytest.mark.parametrize("flags, fragments", [
+#: ``(flags, fragments of the one line)``: bad flags, each stopping at start-up.
+BAD_FLAGS = [
     ({"depth_map": "repeat"}, ["--depth_map needs --init_from=DIR"]),
     ({"init_from": "x", "depth_map": "double"}, ["--depth_map='double' must be one of repeat, "
                                                  "stack, zero_new or take:I,J,..."]),
     ({"init_from": "x", "resume": True}, ["--init_from", "--resume", "pass one of them"]),
-])
-def test_bad_flags_stop_at_start_up(tmp_path, corpus, flags, fragments):
-  workdir = tmp_path / "work"
-  args = gpt_driver.as_args({**TINY, "data_path": corpus, "workdir": str(workdir), **flags})
-  proc = subprocess.run([sys.executable, gpt_driver.TRAIN, *args], cwd=gpt_driver.REPO,
-                        env=gpt_driver.xla_env(), capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode != 0
-  assert "Traceback" not in proc.stderr, proc.stderr
-  lines = [l for l in proc.stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
-  assert len(lines) == 1, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flags(tmp_path_factory, corpus):
+  """``(runs, workdir)``: train.py's command line of each of BAD_FLAGS (its
+  workdir ``workdir(i)``), run one after another in one interpreter
+  (``gpt_driver.CliRuns``), as each would run alone; ``runs[i]`` is its exit
+  status, stdout and stderr."""
+  tmp = tmp_path_factory.mktemp("bad_flags")
+
+  def workdir(i):
+    return tmp / f"work{i}"
+
+  specs = {i: gpt_driver.as_args({**TINY, "data_path": corpus, "workdir": str(workdir(i)),
+                                   **flags})
+           for i, (flags, _) in enumerate(BAD_FLAGS)}
+  runs = gpt_driver.CliRuns(str(tmp), "bad_flags", specs, gpt_driver.xla_env())
+  yield runs, workdir
+  runs.close()
+
+
+@pytest.mark.parametrize("flags, fragments", BAD_FLAGS)
+def test_bad_flags_stop_at_start_up(bad_flags, flags, fragments):
+  runs, workdir = bad_flags
+  i = BAD_FLAGS.index((flags, fragments))
+  returncode, _, stderr = runs[i]
+  assert returncode != 0
+  assert "Traceback" not in stderr, stderr
+  lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+  assert len(lines) == 1, stderr
   for fragment in fragments:
     assert fragment in lines[0], (fragment, lines[0])
-  assert not workdir.exists()
+  assert not workdir(i).exists()
 
 
 # ---------------------------------------------------------------------------
@@ -208,6 +229,14 @@ def test_bad_flags_stop_at_start_up(tmp_path, corpus, flags, fragments):
 
 
 def _gpt_params(num_layers, pattern="", seed=0):
+  """A tiny GPT's parameters on the host: a copy of those initialised once per
+  model and seed (the tests ask for the same few models many times)."""
+  return {module: {name: value.copy() for name, value in bundle.items()}
+          for module, bundle in _gpt_params_once(num_layers, pattern, seed).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_params_once(num_layers, pattern, seed):
   cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=num_layers, num_heads=2,
                             d_model=8, pattern=pattern, window=4 if pattern else 0)
   model = hk.transform(lambda t: model_lib.forward(cfg, t))

@@ -13,13 +13,12 @@ through the command line, all started at once. What is checked:
   0 on some steps for some blocks and not on others, and a run stopped at
   step 10 and resumed equals one of 20 steps bit for bit (the drop key comes
   from the batch);
-* bad values stop at start-up with one line naming the flag, writing nothing.
+* bad values stop at start-up with one line naming the flag, writing nothing
+  (their command lines run in one interpreter, ``gpt_driver.CliRuns``).
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import haiku as hk
 import jax
@@ -119,7 +118,8 @@ def test_layer_drop_skips_blocks_and_resumes_exactly(runs):
     np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
 
-@pytest.mark.parametrize("flags, fragments", [
+#: ``(flags, fragments of the one line)``: bad values, each stopping at start-up.
+BAD_VALUES = [
     ({"freeze_layers": "1:1"}, ["--freeze_layers='1:1' must be A:B with 0 <= A < B <= "
                                 "--num_layers=2"]),
     ({"freeze_layers": "0:3"}, ["--freeze_layers='0:3'", "--num_layers=2"]),
@@ -128,17 +128,37 @@ def test_layer_drop_skips_blocks_and_resumes_exactly(runs):
     ({"layer_drop": 1}, ["--layer_drop must be in [0, 1)"]),
     ({"optimizer": "sgd"}, ["--optimizer=sgd", "<adamw|muon>"]),
     ({"stack": "unrolled", "freeze_layers": "0:1"}, ["--stack=unrolled", "--stack=scan"]),
-])
-def test_bad_values_stop_at_start_up(tmp_path, corpus, flags, fragments):
-  workdir = tmp_path / "work"
-  args = gpt_driver.as_args({**TINY, "data_path": corpus, "workdir": str(workdir), **flags})
-  proc = subprocess.run([sys.executable, gpt_driver.TRAIN, *args], cwd=gpt_driver.REPO,
-                        env=gpt_driver.xla_env(), capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode != 0
-  assert "Traceback" not in proc.stderr, proc.stderr
-  lines = [l for l in proc.stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
-  assert len(lines) == 1, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_values(tmp_path_factory, corpus):
+  """``(runs, workdir)``: train.py's command line of each of BAD_VALUES (its
+  workdir ``workdir(i)``), run one after another in one interpreter
+  (``gpt_driver.CliRuns``), as each would run alone; ``runs[i]`` is its exit
+  status, stdout and stderr."""
+  tmp = tmp_path_factory.mktemp("bad_values")
+
+  def workdir(i):
+    return tmp / f"work{i}"
+
+  specs = {i: gpt_driver.as_args({**TINY, "data_path": corpus, "workdir": str(workdir(i)),
+                                   **flags})
+           for i, (flags, _) in enumerate(BAD_VALUES)}
+  runs = gpt_driver.CliRuns(str(tmp), "bad_values", specs, gpt_driver.xla_env())
+  yield runs, workdir
+  runs.close()
+
+
+@pytest.mark.parametrize("flags, fragments", BAD_VALUES)
+def test_bad_values_stop_at_start_up(bad_values, flags, fragments):
+  runs, workdir = bad_values
+  i = BAD_VALUES.index((flags, fragments))
+  returncode, _, stderr = runs[i]
+  assert returncode != 0
+  assert "Traceback" not in stderr, stderr
+  lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+  assert len(lines) == 1, stderr
   for fragment in fragments:
     assert fragment in lines[0], (fragment, lines[0])
-  assert not workdir.exists()
+  assert not workdir(i).exists()
