@@ -241,6 +241,30 @@ class CliRuns:
     proc.log.close()
 
 
+def one_line_error(returncode: int, stderr: str, fragments=(), what: str = "") -> str:
+  """The one line a command that stopped at start-up printed, after checking
+  it: a non-zero exit, no traceback, one line on stderr besides absl's "Pass
+  --helpshort" hint, holding every fragment. ``what`` names the case in the
+  assertion messages."""
+  assert returncode != 0, f"{what}: exited 0"
+  assert "Traceback" not in stderr, f"{what}:\n{stderr}"
+  lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
+  assert len(lines) == 1, f"{what}:\n{stderr}"
+  for fragment in fragments:
+    assert fragment in lines[0], f"{what}: {fragment!r} not in {lines[0]!r}"
+  return lines[0]
+
+
+def bad_flag_runs(tmp: str, label: str, cases: list, base: dict) -> CliRuns:
+  """train.py's command line of each ``(flags, fragments)`` of ``cases``
+  (``base`` then ``flags``, in workdir ``tmp/work<i>``), run one after
+  another in one interpreter, as each would run alone; ``runs[i]`` is the
+  i-th case's ``(exit status, stdout, stderr)``."""
+  specs = {i: as_args({**base, "workdir": os.path.join(tmp, f"work{i}"), **flags})
+           for i, (flags, _) in enumerate(cases)}
+  return CliRuns(tmp, label, specs, xla_env())
+
+
 def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
                  plot: bool = False, check_imports: bool = False):
   """Starts a driver of ``specs`` (``{"name": ..., "flags": {...}}``, run in order).

@@ -133,32 +133,18 @@ BAD_VALUES = [
 
 @pytest.fixture(scope="module")
 def bad_values(tmp_path_factory, corpus):
-  """``(runs, workdir)``: train.py's command line of each of BAD_VALUES (its
-  workdir ``workdir(i)``), run one after another in one interpreter
-  (``gpt_driver.CliRuns``), as each would run alone; ``runs[i]`` is its exit
-  status, stdout and stderr."""
+  """``(runs, tmp)``: train.py's command line of each of BAD_VALUES, run in one
+  interpreter (``gpt_driver.bad_flag_runs``; case i's workdir ``tmp/work<i>``)."""
   tmp = tmp_path_factory.mktemp("bad_values")
-
-  def workdir(i):
-    return tmp / f"work{i}"
-
-  specs = {i: gpt_driver.as_args({**TINY, "data_path": corpus, "workdir": str(workdir(i)),
-                                   **flags})
-           for i, (flags, _) in enumerate(BAD_VALUES)}
-  runs = gpt_driver.CliRuns(str(tmp), "bad_values", specs, gpt_driver.xla_env())
-  yield runs, workdir
+  runs = gpt_driver.bad_flag_runs(str(tmp), "bad_values", BAD_VALUES, {**TINY, "data_path": corpus})
+  yield runs, tmp
   runs.close()
 
 
 @pytest.mark.parametrize("flags, fragments", BAD_VALUES)
 def test_bad_values_stop_at_start_up(bad_values, flags, fragments):
-  runs, workdir = bad_values
+  runs, tmp = bad_values
   i = BAD_VALUES.index((flags, fragments))
   returncode, _, stderr = runs[i]
-  assert returncode != 0
-  assert "Traceback" not in stderr, stderr
-  lines = [l for l in stderr.strip().splitlines() if not l.startswith("Pass --helpshort")]
-  assert len(lines) == 1, stderr
-  for fragment in fragments:
-    assert fragment in lines[0], (fragment, lines[0])
-  assert not workdir(i).exists()
+  gpt_driver.one_line_error(returncode, stderr, fragments)
+  assert not (tmp / f"work{i}").exists()
