@@ -25,8 +25,8 @@ each measured side by side in this one process, its contenders alternated:
   time that moving the offloaded bytes out and back takes.
 * ``train``: the example's whole train step (``step.make_train_step``,
   AdamW included) at the GPT-2-small shape in bfloat16, with the attention
-  ``GPTConfig``'s default picks (the splash kernel on a TPU), at batches 8,
-  16 and 32 under each remat of :data:`TRAIN_REMATS`: tokens/s, model TFLOP/s
+  ``GPTConfig``'s default picks (the splash kernel on a TPU), at batches 4,
+  8, 16 and 32 under each remat of :data:`TRAIN_REMATS`: tokens/s, model TFLOP/s
   and MFU against the device's peak (``metrics.PEAK_FLOPS``).
 
 Sizes are scaled to the device: a batch is halved until its float32 program
@@ -116,7 +116,7 @@ SIZES = {
         "mlp": dict(width=2048, batch=8192, layers=32),
         "wide_gpt": dict(layers=8, d_model=2048, heads=16, seq_len=1024, batch=8),
         "link_bytes": 2**30,
-        "train": dict(layers=12, d_model=768, heads=12, seq_len=1024, batches=(8, 16, 32)),
+        "train": dict(layers=12, d_model=768, heads=12, seq_len=1024, batches=(4, 8, 16, 32)),
     },
     "small": {
         "gpt": dict(layers=4, d_model=64, heads=2, seq_len=64, batch=4),
