@@ -35,7 +35,8 @@ What is checked, against numbers rather than "it runs":
   data is loaded or the step compiled;
 * outputs get the umask's mode, and a start removes the temporary files that
   killed writes left (the ``files`` module itself: gpt_files_test.py);
-* ``sample.py`` end to end.
+* ``sample.py`` end to end (its command line in a shared interpreter, as it
+  would run alone; gpt_dtype_test.py runs it as a command of its own).
 """
 
 import json
@@ -483,8 +484,8 @@ class Resumes:
   checkpoints (another corpus, other model flags, damaged checkpoints), run
   one after another in one interpreter (``gpt_driver.drive_cli``) as each
   would run alone, started once the training drivers are done; sample.py on
-  a damaged one runs as a command of its own. ``before`` holds each
-  workdir's ``sorted(os.walk(...))`` from before the runs."""
+  a damaged one runs in the sample.py runner of :class:`Runs`. ``before``
+  holds each workdir's ``sorted(os.walk(...))`` from before the runs."""
 
   def __init__(self, tmp: str, drivers: Drivers):
     name = _run_name("full", "fold")
@@ -531,8 +532,7 @@ class Resumes:
                                     "num_layers": NUM_LAYERS + 1})
     self.before = {case: sorted(os.walk(workdir)) for case, workdir in self.workdirs.items()}
     self.runs = gpt_driver.CliRuns(tmp, "resumes", specs, gpt_driver.xla_env())
-    self.sample_flipped = command(tmp, "sample_flipped", SAMPLE,
-                                  f"--workdir={self.workdirs['flipped']}", "--prompt=the ")
+    self.samples = None   # Runs' sample.py runner, which runs "flipped" too
 
   def copy(self, tmp: str, case: str) -> str:
     """A workdir for ``case`` holding a copy of the checkpoints."""
@@ -542,24 +542,24 @@ class Resumes:
 
   def finish(self) -> None:
     self.runs.driver[0].wait(timeout=600)
-    self.sample_flipped.finish()
 
   def close(self) -> None:
     self.runs.close()
-    self.sample_flipped.close()
 
 
 class Runs:
   """Every subprocess of this module, started in the background when the
   tests are collected (``BACKGROUND``): the training drivers and the
   start-up command lines at once; once the drivers are done, the resumes of
-  their checkpoints and sample.py end to end on one of them."""
+  their checkpoints, and in one sample.py runner (``gpt_driver.drive_cli``)
+  sample.py end to end on one of them and on a damaged copy (``samples``:
+  "end to end" and "flipped")."""
 
   def __init__(self, tmp: str):
     self.tmp = tmp
     os.makedirs(os.path.join(tmp, "data"))
     corpus = gpt_driver.write_corpus(os.path.join(tmp, "data", "text.txt"))
-    self.drivers = self.start_up = self.resumes = self.sample = None
+    self.drivers = self.start_up = self.resumes = self.samples = None
     self.resumes_error = None
     self.drivers = Drivers(os.path.join(tmp, "runs"), corpus)
     self.start_up = StartUp(self.folder("start_up"), corpus)
@@ -576,15 +576,20 @@ class Runs:
     except Exception:  # pylint: disable=broad-except
       self.resumes_error = traceback.format_exc()   # for the tests that need it
     workdir = self.drivers.workdir(_run_name("nested", "scan"))
-    self.sample = command(self.tmp, "sample", SAMPLE, f"--workdir={workdir}",
-                          "--prompt=the ", "--num_tokens=20")
+    specs = {"end to end": [f"--workdir={workdir}", "--prompt=the ", "--num_tokens=20"]}
+    if self.resumes is not None:
+      specs["flipped"] = [f"--workdir={self.resumes.workdirs['flipped']}", "--prompt=the "]
+    self.samples = gpt_driver.CliRuns(self.tmp, "samples", specs, gpt_driver.xla_env(),
+                                      script=SAMPLE)
+    if self.resumes is not None:
+      self.resumes.samples = self.samples
     self.start_up.finish()
     if self.resumes is not None:
       self.resumes.finish()
-    self.sample.finish()
+    self.samples.driver[0].wait(timeout=600)
 
   def close(self) -> None:
-    for part in (self.drivers, self.start_up, self.resumes, self.sample):
+    for part in (self.drivers, self.start_up, self.resumes, self.samples):
       if part is not None:
         part.close()
 
@@ -709,7 +714,7 @@ def test_damaged_real_checkpoints_fail_cleanly(resumes):
   cases = [  # (case, (exit status, stderr), fragments of the last line of stderr)
       ("truncated", resumes.runs["truncated"][::2], unreadable),
       ("flipped", resumes.runs["flipped"][::2], unreadable),
-      ("flipped", resumes.sample_flipped.result()[::2], ["error:", "not a readable checkpoint"]),
+      ("flipped", resumes.samples["flipped"][::2], ["error:", "not a readable checkpoint"]),
       ("missing", resumes.runs["missing"][::2], unreadable + ["opt_state"]),
       ("other_model", resumes.runs["other_model"][::2],
        # Named from the checkpoint's config, before its arrays are read (the
@@ -930,7 +935,10 @@ def test_training_never_imports_tensorflow(drivers):
 def test_sample_cli_end_to_end(runs, drivers):
   workdir = drivers.workdir(_run_name("nested", "scan"))
   drivers.run(_run_name("nested", "scan"))
-  rc, stdout, stderr = runs.sample.result()
+  # sample.py's command line, as it would run alone, in the runner that
+  # also samples a damaged checkpoint (test_damaged_real_checkpoints_fail_cleanly);
+  # gpt_dtype_test runs sample.py as a command of its own.
+  rc, stdout, stderr = runs.samples["end to end"]
   assert rc == 0, stderr
   assert stdout.endswith("\n")
   text = stdout[:-1]
