@@ -11,12 +11,22 @@ the other tests do:
 * ``benchmarks_quick``: each benchmark's ``main(["--quick", ...])``, in turn,
   in one process (tests/benchmarks_test.py).
 
-``tests/conftest.py`` starts those that the selected tests need once the
-tests are collected, one after the other in a thread of this process, and
-runs the modules that wait for them last: the jobs run on the other core
-while the other tests run here, and a test's fixture then collects its
-job's result (:func:`result`). What each computes and what the tests check
-of it is as before; only when and where it runs changes. A job that was not
+A test module may hand its own subprocesses to the background too:
+``BACKGROUND = {fixture: task}`` names a module-scoped fixture whose value
+``task(folder)`` builds (it starts the module's processes and returns an
+object with ``finish()``, which waits for all of them, and ``close()``,
+which kills what still runs); the fixture returns :func:`task_result`'s
+(tests/gpt_pipeline_test.py, tests/distributed_test.py, tests/gpt_test.py).
+
+``tests/conftest.py`` starts the jobs that the selected tests need once the
+tests are collected: :data:`WORKERS` threads of this process take them in
+turn, the commands first (:data:`FIRST`), and the tests that wait for them
+run last, in that order: the jobs run while the other tests run here, and a
+test's fixture then collects its job's result (:func:`result`). The jobs
+but the benchmarks' (which time what they run) run at the lowest priority
+(niceness 19, which what they start inherits): they take the CPU that this
+process, and the subprocesses that the running test waits for, leave idle. What each computes and what the tests check of
+it is as before; only when and where it runs changes. A job that was not
 started (a test called without a collection) runs when its result is asked
 for.
 """
@@ -32,13 +42,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import doc_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1200   # seconds, per job
+NICENESS = 19    # of the jobs' threads and processes
 
 
 @dataclasses.dataclass
@@ -53,6 +65,11 @@ class Job:
   stdout: str = ""
   stderr: str = ""
   process: Optional[subprocess.Popen] = None
+  #: A test module's task (see the module docstring), run in place of argv;
+  #: ``value``: what it built.
+  task: Optional[Callable[[Path], Any]] = None
+  value: Any = None
+  taken: bool = False   # by a thread of :func:`start`
 
   def check(self) -> "Job":
     """Itself, or an AssertionError with the end of its output if it failed."""
@@ -146,9 +163,23 @@ COMMANDS: dict[str, Callable[..., tuple[list[str], dict[str, str]]]] = {
 }
 
 
+#: name -> a test module's task (see the module docstring).
+_TASKS: dict[str, Callable[[Path], Any]] = {}
+
+
+def _task_name(task: Callable[[Path], Any]) -> str:
+  name = f"{task.__module__}.{task.__name__}"
+  _TASKS.setdefault(name, task)
+  return name
+
+
 def needs(item) -> Optional[str]:
   """The job a collected test waits for, or None."""
   name, test = item.path.name, getattr(item, "originalname", None)
+  module = getattr(item, "module", None)
+  for fixture, task in getattr(module, "BACKGROUND", {}).items():
+    if fixture in getattr(item, "fixturenames", ()):
+      return _task_name(task)
   if name == "pipeline_test.py" and "cases" in getattr(item, "fixturenames", ()):
     return "pipeline_cases"
   if name == "docs_test.py":
@@ -162,20 +193,39 @@ def needs(item) -> Optional[str]:
   return None
 
 
+#: The commands, in the order they start (the longest first); the tasks
+#: come after them, in the order of their modules.
+FIRST = ("benchmarks_quick", "pipeline_cases", "docs_on_devices")
+#: How many jobs run at once (each in a thread of its own, one after another).
+WORKERS = 2
+#: The jobs that run at the usual priority: the benchmarks time what they
+#: run, and some of their checks compare two timings.
+AT_USUAL_PRIORITY = ("benchmarks_quick",)
+
+
+def _queue(names) -> list[str]:
+  """``names`` in the order the jobs start: :data:`FIRST`, then the rest."""
+  return sorted(names, key=lambda n: FIRST.index(n) if n in FIRST else len(FIRST))
+
+
 def order(items) -> None:
   """Sorts ``items`` in place: tests/haiku_layer_stack_test.py first (see
-  tests/conftest.py), the modules that wait for a job last, the rest in
-  between, each module's tests in their order."""
-  waits = {item.path for item in items if needs(item)}
-  items.sort(key=lambda item: (0 if item.path.name == "haiku_layer_stack_test.py"
-                               else 2 if item.path in waits else 1))
+  tests/conftest.py), the tests that wait for a job last, in the order the
+  jobs start, the rest in between; else in their order."""
+  queue = _queue(dict.fromkeys(filter(None, map(needs, items))))
+
+  def key(item):
+    job = needs(item)
+    return (0 if item.path.name == "haiku_layer_stack_test.py" else
+            1 if job is None else 2 + queue.index(job))
+  items.sort(key=key)
 
 
 _JOBS: dict[str, Job] = {}
 _QUEUED: set[str] = set()   # the jobs the thread runs
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()
-_WORKER: Optional[threading.Thread] = None
+_WORKERS: list[threading.Thread] = []
 _FOLDER: Optional[Path] = None
 
 
@@ -189,32 +239,70 @@ def _job(name: str, items=()) -> Job:
         atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
       folder = _FOLDER / name
       folder.mkdir()
-      argv, env = COMMANDS[name](folder, items)
-      _JOBS[name] = Job(argv, env, folder)
+      if name in _TASKS:
+        _JOBS[name] = Job([], {}, folder, task=_TASKS[name])
+      else:
+        argv, env = COMMANDS[name](folder, items)
+        _JOBS[name] = Job(argv, env, folder)
     return _JOBS[name]
 
 
 def start(items) -> None:
-  """Starts, in the order of the tests that need them, the jobs of ``items``."""
-  global _WORKER
-  names = list(dict.fromkeys(filter(None, map(needs, items))))
+  """Starts the jobs of ``items``: :data:`WORKERS` threads take them in turn,
+  in :func:`_queue`'s order."""
+  names = _queue(dict.fromkeys(filter(None, map(needs, items))))
   if not names:
     return
   jobs = [_job(n, items) for n in names]
   _QUEUED.update(names)
+  for _ in range(min(WORKERS, len(jobs))):
+    worker = threading.Thread(target=_work, args=(jobs,), name="stacktools-test-jobs",
+                              daemon=True)
+    _WORKERS.append(worker)
+    worker.start()
 
-  def work():
-    for job in jobs:
-      if _STOPPED.is_set():
-        job.returncode, job.stderr = -1, "the test run stopped first"
-        job.done.set()
-      else:
-        _run(job)
-  _WORKER = threading.Thread(target=work, name="stacktools-test-jobs", daemon=True)
-  _WORKER.start()
+
+def _work(jobs: list[Job]) -> None:
+  """Runs the jobs that no other thread took yet, in turn, each in a thread
+  of its own at its priority (:func:`_niced`)."""
+  while True:
+    with _LOCK:
+      job = next((j for j in jobs if not j.taken), None)
+      if job is None:
+        return
+      job.taken = True
+    if _STOPPED.is_set():
+      job.returncode, job.stderr = -1, "the test run stopped first"
+      job.done.set()
+    else:
+      thread = threading.Thread(target=_niced, args=(job,), name="stacktools-test-job")
+      thread.start()
+      thread.join()
+
+
+def _niced(job: Job) -> None:
+  """Runs ``job`` in this thread, at the lowest priority unless it measures
+  time (:data:`AT_USUAL_PRIORITY`).
+
+  On Linux a thread has a priority of its own, which the processes and
+  threads it starts inherit.
+  """
+  if _name(job) not in AT_USUAL_PRIORITY:
+    try:
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+    except (AttributeError, OSError):   # elsewhere: at the usual priority
+      pass
+  _run(job)
+
+
+def _name(job: Job) -> str:
+  return next(name for name, j in _JOBS.items() if j is job)
 
 
 def _run(job: Job) -> None:
+  if job.task is not None:
+    _run_task(job)
+    return
   with _LOCK:   # the fixture's own run and the thread's never both start it
     if job.process is not None or job.done.is_set():
       return
@@ -244,6 +332,23 @@ def _run(job: Job) -> None:
     job.done.set()
 
 
+def _run_task(job: Job) -> None:
+  """Builds the task's value (its processes start) and waits for them; an
+  error is kept for the tests that use the value."""
+  with _LOCK:
+    if job.returncode is not None or job.done.is_set():
+      return
+    job.returncode = -1   # started
+  try:
+    job.value = job.task(job.folder)
+    job.value.finish()
+    job.returncode = 0
+  except BaseException:  # pylint: disable=broad-except
+    job.returncode, job.stderr = -1, traceback.format_exc()
+  finally:
+    job.done.set()
+
+
 def result(name: str) -> Job:
   """The finished job ``name`` (run here and now if the thread does not run it)."""
   job = _job(name)
@@ -253,9 +358,22 @@ def result(name: str) -> Job:
   return job
 
 
+def task_result(task: Callable[[Path], Any]) -> Any:
+  """What a test module's ``task`` built, once its processes finished (see
+  the module docstring); close it when the module is done with it."""
+  job = result(_task_name(task))
+  if job.value is None or job.returncode != 0:
+    if job.value is not None:
+      job.value.close()
+    raise AssertionError(f"{_task_name(task)} failed:\n{job.stderr[-4000:]}")
+  return job.value
+
+
 def stop() -> None:
   """Kills what still runs: the test run ended, or was interrupted."""
   _STOPPED.set()
   for job in list(_JOBS.values()):
     if job.process is not None and job.process.poll() is None:
       job.process.kill()
+    if job.value is not None:
+      job.value.close()

@@ -2,8 +2,10 @@
 
 JAX fixes its device count when it starts, so every run here is a
 subprocess with ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``
-(virtual CPU devices), and all of them start together when the module's
-first test asks for them, while the cheap tests run:
+(virtual CPU devices), and all of them start together in the background
+when the tests are collected (``tests/background.py``, ``BACKGROUND``: this
+module runs last, its subprocesses at the lowest priority, on the CPU the
+other tests leave idle):
 
 * three single-process drivers (``gpt_driver.drive``: ``train.main`` in-process
   under absl's flagsaver, XLA's cheap LLVM settings, a private compilation
@@ -19,7 +21,10 @@ first test asks for them, while the cheap tests run:
   second pair that resumes from their checkpoint to step 10, in one shared
   workdir. (JAX's persistent cache cannot shorten these: process 1's cache
   keys differ from process 0's, and only process 0 writes entries.);
-* ``benchmarks/sharding.py --quick``.
+* ``benchmarks/sharding.py --quick``;
+* the bad-flag command lines, one after another in one interpreter on 8
+  devices (``gpt_driver.drive_cli``), and a pair of processes given two
+  workdirs.
 
 What is checked, against numbers:
 
@@ -53,9 +58,10 @@ import threading
 import numpy as np
 import pytest
 
+import background
 import gpt_driver as gpt
 from benchmarks import harness
-from subprocesses import free_port, start, wait
+from subprocesses import Command, free_port, start, wait
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
@@ -68,6 +74,19 @@ SAVED_ON = "data:4,fsdp:2"  # restored onto fsdp:8 and onto one device
 MESH_MP = "data:2,fsdp:2"
 BENCHMARK_QUICK_MESHES = ("data:4,fsdp:2", "fsdp:8")
 RTOL = 2e-5  # float32 losses and parameters after 10 steps, reductions reordered
+BAD_FLAGS = [  # (name, flags, fragments of the one line)
+    ("unparsable", {"mesh": "data4"}, ["--mesh='data4'", "does not parse", "data:4,fsdp:2"]),
+    ("unknown_axis", {"mesh": "data:4,model:2"}, ["'model'", "data, fsdp"]),
+    ("wrong_count", {"mesh": "data:4,fsdp:4"}, ["16 devices", "there are 8"]),
+    ("batch", {"mesh": "data:8", "batch_size": 12}, ["--batch_size=12", "data axis (8)"]),
+    ("no_coordinator", {"num_processes": 2, "process_id": 0},
+     ["--num_processes=2", "--coordinator_address"]),
+    ("process_id_too_big", {"num_processes": 2, "process_id": 2,
+                            "coordinator_address": "127.0.0.1:1"},
+     ["--process_id=2", "0..1"]),
+    ("no_process_id", {"num_processes": 2, "coordinator_address": "127.0.0.1:1"},
+     ["--process_id", "0..1"]),
+]
 
 
 xla_env = gpt.xla_env
@@ -102,6 +121,29 @@ class Runs:
         [sys.executable, BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
         gpt.xla_env(), os.path.join(tmp, "bench.log"))
     self.procs.append(self.benchmark)
+    # The bad-flag command lines (test_bad_mesh_batch_and_process_flags_fail_cleanly).
+    os.makedirs(os.path.join(tmp, "bad_flags"))
+    self.bad_flags = gpt.CliRuns(
+        os.path.join(tmp, "bad_flags"), "devices8",
+        {name: gpt.as_args({**TINY, "data_path": self.corpus,
+                            "workdir": self.bad_flag_workdir(name), **flags})
+         for name, flags, _ in BAD_FLAGS}, xla_env(8))
+    self.procs.append(self.bad_flags.driver[0])
+    # Two processes given two workdirs
+    # (test_processes_with_different_workdirs_stop_with_one_line).
+    self.two_workdirs_folder = os.path.join(tmp, "two_workdirs")
+    os.makedirs(self.two_workdirs_folder)
+    corpus = gpt.write_corpus(os.path.join(self.two_workdirs_folder, "text.txt"))
+    port = free_port()
+    self.two_workdirs = []
+    for i in range(2):
+      args = gpt.as_args({**TINY, "data_path": corpus,
+                          "workdir": os.path.join(self.two_workdirs_folder, f"work{i}"),
+                          "num_processes": 2, "process_id": i,
+                          "coordinator_address": f"127.0.0.1:{port}"})
+      self.two_workdirs.append(Command([sys.executable, TRAIN, *args], xla_env(1),
+                                       os.path.join(tmp, f"two_workdirs_process{i}")))
+    self.procs.extend(c.proc for c in self.two_workdirs)
     self.stopped = self.pair({"stop_after": STOP})
     self.resumed = None
     self.after_stop = None
@@ -117,6 +159,9 @@ class Runs:
 
   def workdir(self, name: str) -> str:
     return os.path.join(self.tmp, name.replace(":", "_").replace(",", "_").replace(" ", "_"))
+
+  def bad_flag_workdir(self, name: str) -> str:
+    return os.path.join(self.tmp, "bad_flags", "work", name)
 
   def export(self, name: str) -> str:
     """Where the run ``name`` exports its final parameters (--export_npz)."""
@@ -212,27 +257,36 @@ class Runs:
     assert result["rc"] == 0, f"one device restore failed:\n{result['stderr'][-5000:]}"
     return result["stderr"]
 
+  def finish(self) -> None:
+    """Waits for every process, the resumed pair and the restore included."""
+    self.thread.join(timeout=1200)
+    self.restore_thread.join(timeout=1200)
+    for proc in list(self.procs):
+      proc.wait(timeout=600)
+
   def close(self) -> None:
     self.thread.join(timeout=600)
     self.restore_thread.join(timeout=600)
+    for command in self.two_workdirs:
+      command.close()
     for proc in self.procs:
-      kill(proc)
+      if hasattr(proc, "log"):
+        kill(proc)
+
+
+def start_runs(folder) -> Runs:
+  return Runs(str(folder))
+
+
+BACKGROUND = {"runs": start_runs}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  r = Runs(str(tmp_path_factory.mktemp("dist")))
+def runs():
+  """Every run, finished (they started when the tests were collected)."""
+  r = background.task_result(start_runs)
   yield r
   r.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def start_runs_early(request):
-  """Starts the training runs before the first test, so the cheap tests run
-  while they train (only when some selected test needs them)."""
-  if any("runs" in item.fixturenames for item in request.session.items
-         if item.module is request.module):
-    request.getfixturevalue("runs")
 
 
 def param_arrays(workdir: str, prefix: str = "params") -> dict[str, np.ndarray]:
@@ -278,36 +332,13 @@ def assert_trees_close(actual: dict, expected: dict, rtol: float = RTOL) -> None
 # CLI errors (started together, while the runs train).
 
 
-def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
-  cases = [  # (name, flags, fragments of the one line)
-      ("unparsable", {"mesh": "data4"}, ["--mesh='data4'", "does not parse", "data:4,fsdp:2"]),
-      ("unknown_axis", {"mesh": "data:4,model:2"}, ["'model'", "data, fsdp"]),
-      ("wrong_count", {"mesh": "data:4,fsdp:4"}, ["16 devices", "there are 8"]),
-      ("batch", {"mesh": "data:8", "batch_size": 12}, ["--batch_size=12", "data axis (8)"]),
-      ("no_coordinator", {"num_processes": 2, "process_id": 0},
-       ["--num_processes=2", "--coordinator_address"]),
-      ("process_id_too_big", {"num_processes": 2, "process_id": 2,
-                              "coordinator_address": "127.0.0.1:1"},
-       ["--process_id=2", "0..1"]),
-      ("no_process_id", {"num_processes": 2, "coordinator_address": "127.0.0.1:1"},
-       ["--process_id", "0..1"]),
-  ]
-  corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
-  # The command lines run one after another in one interpreter on 8 devices
-  # (gpt_driver.drive_cli), as each would run alone. The process flags are
-  # checked (distributed.initialize) before any device is counted or joined,
-  # so they stop the same on 8 devices as on 2.
-  mine = [(name, tmp_path / "work" / name, fragments, flags)
-          for name, flags, fragments in cases]
-  proc, out_path = gpt.start_cli_driver(
-      str(tmp_path), "devices8",
-      [gpt.as_args({**TINY, "data_path": corpus, "workdir": workdir, **flags})
-       for _, workdir, _, flags in mine], xla_env(8))
-  wait(proc)
-  with open(out_path, encoding="utf-8") as f:
-    outcomes = [(name, workdir, fragments, r["rc"], r["stderr"])
-                for (name, workdir, fragments, _), r in zip(mine, json.load(f))]
-  assert len(outcomes) == len(cases)
+def test_bad_mesh_batch_and_process_flags_fail_cleanly(runs):
+  # The command lines ran one after another in one interpreter on 8 devices
+  # (gpt_driver.drive_cli), as each would run alone (Runs.bad_flags). The
+  # process flags are checked (distributed.initialize) before any device is
+  # counted or joined, so they stop the same on 8 devices as on 2.
+  outcomes = [(name, runs.bad_flag_workdir(name), fragments, *runs.bad_flags[name][::2])
+              for name, _, fragments in BAD_FLAGS]
   for name, workdir, fragments, returncode, stderr in outcomes:
     assert returncode != 0, name
     assert "Traceback" not in stderr, f"{name}:\n{stderr}"
@@ -315,32 +346,23 @@ def test_bad_mesh_batch_and_process_flags_fail_cleanly(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}:\n{stderr}"
     for fragment in fragments:
       assert fragment in lines[0], f"{name}: {fragment!r} not in {lines[0]!r}"
-    assert not workdir.exists(), f"{name} wrote {gpt.listing(str(workdir))}"
-  assert not (tmp_path / "work").exists()
+    assert not os.path.exists(workdir), f"{name} wrote {gpt.listing(workdir)}"
+  assert not os.path.exists(os.path.dirname(runs.bad_flag_workdir("any")))
 
 
-def test_processes_with_different_workdirs_stop_with_one_line(tmp_path):
+def test_processes_with_different_workdirs_stop_with_one_line(runs):
   """Each process writes its shards into --workdir, so all must share one:
   two processes given two folders (as on hosts without a shared file
   system) stop at start-up, each with the same last line, leaving nothing."""
-  corpus = gpt.write_corpus(str(tmp_path / "text.txt"))
-  port = free_port()
-  procs = []
-  for i in range(2):
-    args = gpt.as_args({**TINY, "data_path": corpus, "workdir": tmp_path / f"work{i}",
-                        "num_processes": 2, "process_id": i,
-                        "coordinator_address": f"127.0.0.1:{port}"})
-    procs.append(subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO,
-                                  env=xla_env(1), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
-  for i, proc in enumerate(procs):
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in stderr, stderr
+  folder = runs.two_workdirs_folder
+  for i, command in enumerate(runs.two_workdirs):
+    returncode, _, stderr = command.result()
+    assert returncode != 0 and "Traceback" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: --workdir={str(tmp_path / f'work{i}')!r}: process 1 "
+    assert last.startswith(f"error: --workdir={os.path.join(folder, f'work{i}')!r}: process 1 "
                            "of 2 does not see the files that process 0 writes"), last
     assert "the same --workdir, on a file system they share" in last, last
-  assert sorted(os.listdir(tmp_path)) == ["text.txt"]
+  assert sorted(os.listdir(folder)) == ["text.txt"]
 
 
 # ---------------------------------------------------------------------------

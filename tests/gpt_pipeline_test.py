@@ -2,8 +2,8 @@
 
 JAX fixes its device count when it starts, so every run here is a
 subprocess with ``--xla_force_host_platform_device_count`` (virtual CPU
-devices), and all of them start together when the module's first test asks
-for them:
+devices), and all of them start together in the background when the tests
+are collected:
 
 * four drivers (``gpt_driver.drive``: ``train.main`` in-process under absl's
   flagsaver, one interpreter for several runs, a private compilation cache):
@@ -22,6 +22,9 @@ for them:
   workdir without the later one, to step 20;
 * two command lines, one whose flags contradict each other and one with a
   schedule that does not exist, run in one interpreter (``drive_cli``).
+
+(``tests/background.py``, ``BACKGROUND``: this module runs last, the runs
+at the lowest priority, on the CPU the other tests leave idle.)
 
 What is checked, against numbers:
 
@@ -60,6 +63,7 @@ import threading
 import numpy as np
 import pytest
 
+import background
 import gpt_driver
 from gpt_driver import as_args, read_metrics, train_losses, xla_env
 from subprocesses import free_port, start, wait
@@ -142,6 +146,16 @@ class Runs:
                 + [(name, {**flags, "workdir": self.workdir("chain")}) for name, flags in CHAIN])
     self.driver("eight circular", 8, [("circular", CIRCULAR), ("interleaved", INTERLEAVED)])
     self.driver("four", 4, [("four", MESH_MP)])
+    # Flags that contradict each other, and a schedule that does not exist,
+    # on the command line: one after another in one interpreter
+    # (gpt_driver.drive_cli), as each would run alone.
+    self.flag_errors_workdir = os.path.join(tmp, "flag_errors_work")
+    specs = {"contradict": as_args({**TINY, "data_path": self.corpus,
+                                    "workdir": self.flag_errors_workdir, "microbatches": 4}),
+             "no such schedule": as_args({**TINY, "workdir": self.flag_errors_workdir})
+                                 + ["--pipeline=zb-h2"]}
+    self.flag_errors = gpt_driver.CliRuns(tmp, "flag_errors", specs, xla_env(1))
+    self.procs.append(self.flag_errors.driver[0])
     self.straight = self.pair("mp", {"checkpoint_every": STOP})
     self.straight_logs = self.resumed = self.error = None
     self.thread = threading.Thread(target=self._resume_when_done, daemon=True)
@@ -210,6 +224,12 @@ class Runs:
       raise self.error
     return self.straight_logs, [wait(p) for p in self.resumed]
 
+  def finish(self) -> None:
+    """Waits for every process, the resumed pair's included."""
+    self.thread.join(timeout=1200)
+    for proc in list(self.procs):
+      proc.wait(timeout=600)
+
   def close(self) -> None:
     self.thread.join(timeout=600)
     for proc in self.procs:
@@ -219,20 +239,19 @@ class Runs:
       proc.log.close()
 
 
+def start_runs(folder) -> Runs:
+  return Runs(str(folder))
+
+
+BACKGROUND = {"runs": start_runs}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  r = Runs(str(tmp_path_factory.mktemp("pipeline")))
+def runs():
+  """Every run, finished (they started when the tests were collected)."""
+  r = background.task_result(start_runs)
   yield r
   r.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def start_runs_early(request):
-  """Starts the training runs before the first test, so the command-line
-  test runs while they train (only when some selected test needs them)."""
-  if any("runs" in item.fixturenames for item in request.session.items
-         if item.module is request.module):
-    request.getfixturevalue("runs")
 
 
 def kib_per_device(log: str) -> float:
@@ -246,28 +265,20 @@ def kib_per_device(log: str) -> float:
 # Start-up errors.
 
 
-def test_pipeline_flag_errors_stop_with_one_line(runs, tmp_path):
+def test_pipeline_flag_errors_stop_with_one_line(runs):
   # Flags that contradict each other, and a schedule that does not exist, on
-  # the command line: one after another in one interpreter
-  # (gpt_driver.drive_cli), as each would run alone. gpt_test.py runs
-  # train.py's flag errors as commands of their own too.
-  workdir = tmp_path / "work"
-  specs = {"contradict": as_args({**TINY, "data_path": runs.corpus, "workdir": workdir,
-                                  "microbatches": 4}),
-           "no such schedule": as_args({**TINY, "workdir": workdir}) + ["--pipeline=zb-h2"]}
-  cli = gpt_driver.CliRuns(str(tmp_path), "flag_errors", specs, xla_env(1))
-  try:
-    # stderr holds one line (and absl's hint) and nothing else.
-    returncode, _, stderr = cli["contradict"]
-    gpt_driver.one_line_error(
-        returncode, stderr, ["--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)"])
-    # absl's enum names the schedules that exist.
-    returncode, _, stderr = cli["no such schedule"]
-    assert returncode != 0 and "Traceback" not in stderr, stderr
-    assert "value should be one of <none|gpipe|circular|1f1b|interleaved|zb>" in stderr
-  finally:
-    cli.close()
-  assert not workdir.exists()
+  # the command line (Runs.flag_errors). gpt_test.py runs train.py's flag
+  # errors as commands of their own too.
+  cli = runs.flag_errors
+  # stderr holds one line (and absl's hint) and nothing else.
+  returncode, _, stderr = cli["contradict"]
+  gpt_driver.one_line_error(
+      returncode, stderr, ["--microbatches needs a --pipeline (e.g. gpipe, circular or interleaved)"])
+  # absl's enum names the schedules that exist.
+  returncode, _, stderr = cli["no such schedule"]
+  assert returncode != 0 and "Traceback" not in stderr, stderr
+  assert "value should be one of <none|gpipe|circular|1f1b|interleaved|zb>" in stderr
+  assert not os.path.exists(runs.flag_errors_workdir)
   # Those that need a mesh ran in the drivers, which record the message
   # that sys.exit prints (alone on stderr, as the line above).
   for devices, name, _, fragments in MESH_ERRORS:

@@ -17,8 +17,8 @@ sample runs it.
 
 Every command line runs in one interpreter (``gpt_driver.drive_cli``), as
 each would run alone: one process pays the imports for all of them.
-gpt_test.py runs sample.py as a command of its own, end to end and on bad
-workdirs.
+gpt_test.py runs sample.py as a command of its own without a workdir, and
+gpt_dtype_test.py greedy from a trained checkpoint.
 """
 
 import dataclasses

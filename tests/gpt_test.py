@@ -1,8 +1,11 @@
 """Tests for the GPT example (examples/gpt): training, resume, decoding, CLI.
 
 Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
-batched into two driver subprocesses started once per module
-(``gpt_driver.drive``). One interpreter then pays the JAX import for many
+batched into two driver subprocesses (``gpt_driver.drive``), which start
+with this module's other subprocesses in the background when the tests are
+collected (``tests/background.py``, ``BACKGROUND``: this module runs last,
+its subprocesses at the lowest priority, on the CPU the other tests leave
+idle). One interpreter then pays the JAX import for many
 runs, the two drivers use both cores, and the drivers compile with XLA's
 cheap settings (``gpt_driver.xla_env``, which changes how fast the code is
 compiled, not what it computes) and a private persistent compilation cache,
@@ -32,7 +35,8 @@ What is checked, against numbers rather than "it runs":
   data is loaded or the step compiled;
 * outputs get the umask's mode, and a start removes the temporary files that
   killed writes left (the ``files`` module itself: gpt_files_test.py);
-* ``sample.py`` end to end.
+* ``sample.py`` end to end (its command line in a shared interpreter, as it
+  would run alone; gpt_dtype_test.py runs it as a command of its own).
 """
 
 import json
@@ -40,8 +44,8 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
+import traceback
 
 import haiku as hk
 import jax
@@ -51,9 +55,10 @@ import pytest
 
 from examples.gpt import model as model_lib
 from examples.gpt import remat as remat_lib
+import background
 import gpt_driver
 import stacktools as st
-from subprocesses import wait
+from subprocesses import Command, wait
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
@@ -144,6 +149,10 @@ class Drivers:
   def workdir(self, name: str) -> str:
     return os.path.join(self.tmp, name)
 
+  def finish(self) -> None:
+    for proc, _ in self.procs:
+      proc.wait(timeout=600)
+
   def close(self) -> None:
     for proc, _ in self.procs:
       if proc.poll() is None:
@@ -158,37 +167,11 @@ def compiled_temp_mib(log: str) -> float:
   return float(log.split(marker, 1)[1].split(" MiB", 1)[0])
 
 
-def cli(script: str, *args: str) -> subprocess.Popen:
-  """Starts ``python script args``; collect it with :func:`finish`."""
-  return subprocess.Popen([sys.executable, script, *args], cwd=gpt_driver.REPO,
-                          env=gpt_driver.xla_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-  stdout, stderr = proc.communicate(timeout=300)
-  return proc.returncode, stdout, stderr
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-  return gpt_driver.write_corpus(str(tmp_path_factory.mktemp("data") / "text.txt"))
-
-
-@pytest.fixture(scope="module")
-def drivers(tmp_path_factory, corpus):
-  d = Drivers(str(tmp_path_factory.mktemp("runs")), corpus)
-  yield d
-  d.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def start_drivers_early(request):
-  """Starts the training drivers before the first test, so the CLI tests run
-  while they train (only when some selected test needs them)."""
-  if any("drivers" in item.fixturenames for item in request.session.items
-         if item.module is request.module):
-    request.getfixturevalue("drivers")
+def command(tmp: str, label: str, script: str, *args: str) -> Command:
+  """``python script args``, a command of its own, started now; its stdout
+  and stderr go to files in ``tmp`` named after ``label``."""
+  return Command([sys.executable, script, *args], gpt_driver.xla_env(),
+                 os.path.join(tmp, label))
 
 
 def can_create_file_in(folder: str) -> bool:
@@ -363,9 +346,14 @@ class StartUp:
     self.bad_flags = os.path.join(tmp, "bad_flags")
     self.bad_flag_cases = bad_flag_cases(self.bad_flags, self.empty, self.garbage)
     self.bad_flag_before = {}
+    self.alone = {}   # name: the case's command of its own
     for name, script, flags, _ in self.bad_flag_cases[0]:
-      if script == TRAIN and name not in BAD_FLAGS_ALONE:
-        self.bad_flag_before[name] = listing(flags["workdir"])
+      self.bad_flag_before[name] = listing(flags["workdir"])
+      if name in BAD_FLAGS_ALONE:
+        args = as_args({**TINY, "data_path": data_path, **flags}) if script == TRAIN \
+            else as_args(flags)
+        self.alone[name] = command(tmp, f"alone_{name}", script, *args)
+      elif script == TRAIN:
         specs["bad_flags", name] = as_args({**TINY, "data_path": data_path, **flags})
     self.runs = gpt_driver.CliRuns(tmp, "start_up", specs, gpt_driver.xla_env())
     # sample.py's start-up errors of the bad-flag test (a workdir without a
@@ -383,26 +371,18 @@ class StartUp:
   def workdir(self, case: str) -> str:
     return os.path.join(self.tmp, "candidates", case)
 
+  def finish(self) -> None:
+    for runs in (self.runs, self.sample_runs):
+      runs.driver[0].wait(timeout=600)
+    for command in self.alone.values():
+      command.finish()
+
   def close(self) -> None:
     self.runs.close()
     self.sample_runs.close()
+    for command in self.alone.values():
+      command.close()
     os.chmod(self.read_only_made, 0o755)
-
-
-@pytest.fixture(scope="module")
-def start_up(tmp_path_factory, corpus):
-  s = StartUp(str(tmp_path_factory.mktemp("start_up")), corpus)
-  yield s
-  s.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def start_start_up_early(request):
-  """Starts the start-up command lines before the first test, beside the
-  drivers (only when some selected test needs them)."""
-  if any("start_up" in item.fixturenames for item in request.session.items
-         if item.module is request.module):
-    request.getfixturevalue("start_up")
 
 
 # ---------------------------------------------------------------------------
@@ -418,24 +398,20 @@ def test_bad_flags_and_checkpoints_fail_cleanly_and_write_nothing(start_up):
   # once; sample.py's others in its sample.py runner.
   cases, garbage, unfinished = start_up.bad_flag_cases
   from_start_up = {"sample_no_ckpt": "no_ckpt", "sample_garbage": "garbage"}
-  started, outcomes = [], []
-  for name, script, flags, fragments in cases:
-    if name in BAD_FLAGS_ALONE:
-      args = as_args({**TINY, "data_path": start_up.data_path, **flags}) if script == TRAIN \
-          else as_args(flags)
-      started.append((name, script, flags["workdir"], fragments, listing(flags["workdir"]),
-                      cli(script, *args)))
+  outcomes = []
   for name, script, flags, fragments in cases:
     if name in from_start_up:
       outcomes.append((name, script, flags["workdir"], fragments,
                        start_up.sample_before[from_start_up[name]],
                        start_up.sample_runs[from_start_up[name]][::2]))
-    elif name not in BAD_FLAGS_ALONE:
+    elif name in BAD_FLAGS_ALONE:
+      outcomes.append((name, script, flags["workdir"], fragments,
+                       start_up.bad_flag_before[name], start_up.alone[name].result()[::2]))
+    else:
       assert script == TRAIN, name
       outcomes.append((name, script, flags["workdir"], fragments,
                        start_up.bad_flag_before[name],
                        start_up.runs["bad_flags", name][::2]))
-  outcomes += [(*case, finish(proc)[::2]) for *case, proc in started]
   assert len(outcomes) == len(cases)
   for name, script, workdir, fragments, before, (rc, stderr) in outcomes:
     message = gpt_driver.one_line_error(rc, stderr, fragments, name)
@@ -508,8 +484,8 @@ class Resumes:
   checkpoints (another corpus, other model flags, damaged checkpoints), run
   one after another in one interpreter (``gpt_driver.drive_cli``) as each
   would run alone, started once the training drivers are done; sample.py on
-  a damaged one runs as a command of its own. ``before`` holds each
-  workdir's ``sorted(os.walk(...))`` from before the runs."""
+  a damaged one runs in the sample.py runner of :class:`Runs`. ``before``
+  holds each workdir's ``sorted(os.walk(...))`` from before the runs."""
 
   def __init__(self, tmp: str, drivers: Drivers):
     name = _run_name("full", "fold")
@@ -556,8 +532,7 @@ class Resumes:
                                     "num_layers": NUM_LAYERS + 1})
     self.before = {case: sorted(os.walk(workdir)) for case, workdir in self.workdirs.items()}
     self.runs = gpt_driver.CliRuns(tmp, "resumes", specs, gpt_driver.xla_env())
-    self.sample_flipped = cli(SAMPLE, f"--workdir={self.workdirs['flipped']}",
-                              "--prompt=the ")
+    self.samples = None   # Runs' sample.py runner, which runs "flipped" too
 
   def copy(self, tmp: str, case: str) -> str:
     """A workdir for ``case`` holding a copy of the checkpoints."""
@@ -565,18 +540,90 @@ class Resumes:
     shutil.copytree(self.source, os.path.join(workdir, "checkpoints"))
     return workdir
 
+  def finish(self) -> None:
+    self.runs.driver[0].wait(timeout=600)
+
   def close(self) -> None:
     self.runs.close()
-    if self.sample_flipped.poll() is None:
-      self.sample_flipped.kill()
-      self.sample_flipped.communicate()
+
+
+class Runs:
+  """Every subprocess of this module, started in the background when the
+  tests are collected (``BACKGROUND``): the training drivers and the
+  start-up command lines at once; once the drivers are done, the resumes of
+  their checkpoints, and in one sample.py runner (``gpt_driver.drive_cli``)
+  sample.py end to end on one of them and on a damaged copy (``samples``:
+  "end to end" and "flipped")."""
+
+  def __init__(self, tmp: str):
+    self.tmp = tmp
+    os.makedirs(os.path.join(tmp, "data"))
+    corpus = gpt_driver.write_corpus(os.path.join(tmp, "data", "text.txt"))
+    self.drivers = self.start_up = self.resumes = self.samples = None
+    self.resumes_error = None
+    self.drivers = Drivers(os.path.join(tmp, "runs"), corpus)
+    self.start_up = StartUp(self.folder("start_up"), corpus)
+
+  def folder(self, name: str) -> str:
+    path = os.path.join(self.tmp, name)
+    os.makedirs(path)
+    return path
+
+  def finish(self) -> None:
+    self.drivers.finish()
+    try:
+      self.resumes = Resumes(self.folder("resumes"), self.drivers)
+    except Exception:  # pylint: disable=broad-except
+      self.resumes_error = traceback.format_exc()   # for the tests that need it
+    workdir = self.drivers.workdir(_run_name("nested", "scan"))
+    specs = {"end to end": [f"--workdir={workdir}", "--prompt=the ", "--num_tokens=20"]}
+    if self.resumes is not None:
+      specs["flipped"] = [f"--workdir={self.resumes.workdirs['flipped']}", "--prompt=the "]
+    self.samples = gpt_driver.CliRuns(self.tmp, "samples", specs, gpt_driver.xla_env(),
+                                      script=SAMPLE)
+    if self.resumes is not None:
+      self.resumes.samples = self.samples
+    self.start_up.finish()
+    if self.resumes is not None:
+      self.resumes.finish()
+    self.samples.driver[0].wait(timeout=600)
+
+  def close(self) -> None:
+    for part in (self.drivers, self.start_up, self.resumes, self.samples):
+      if part is not None:
+        part.close()
+
+
+def start_runs(folder) -> Runs:
+  return Runs(str(folder))
+
+
+BACKGROUND = {"runs": start_runs}
 
 
 @pytest.fixture(scope="module")
-def resumes(tmp_path_factory, drivers):
-  r = Resumes(str(tmp_path_factory.mktemp("resumes")), drivers)
+def runs():
+  """Every subprocess of this module, finished."""
+  r = background.task_result(start_runs)
   yield r
   r.close()
+
+
+@pytest.fixture(scope="module")
+def drivers(runs):
+  return runs.drivers
+
+
+@pytest.fixture(scope="module")
+def start_up(runs):
+  return runs.start_up
+
+
+@pytest.fixture(scope="module")
+def resumes(runs):
+  if runs.resumes_error is not None:
+    pytest.fail(f"the resumes could not start:\n{runs.resumes_error}")
+  return runs.resumes
 
 
 def test_resume_refuses_a_corpus_with_other_characters(resumes):
@@ -667,7 +714,7 @@ def test_damaged_real_checkpoints_fail_cleanly(resumes):
   cases = [  # (case, (exit status, stderr), fragments of the last line of stderr)
       ("truncated", resumes.runs["truncated"][::2], unreadable),
       ("flipped", resumes.runs["flipped"][::2], unreadable),
-      ("flipped", finish(resumes.sample_flipped)[::2], ["error:", "not a readable checkpoint"]),
+      ("flipped", resumes.samples["flipped"][::2], ["error:", "not a readable checkpoint"]),
       ("missing", resumes.runs["missing"][::2], unreadable + ["opt_state"]),
       ("other_model", resumes.runs["other_model"][::2],
        # Named from the checkpoint's config, before its arrays are read (the
@@ -885,11 +932,13 @@ def test_training_never_imports_tensorflow(drivers):
                                 # (Orbax's checkpoints included) no TensorFlow
 
 
-def test_sample_cli_end_to_end(drivers):
+def test_sample_cli_end_to_end(runs, drivers):
   workdir = drivers.workdir(_run_name("nested", "scan"))
   drivers.run(_run_name("nested", "scan"))
-  rc, stdout, stderr = finish(cli(SAMPLE, f"--workdir={workdir}", "--prompt=the ",
-                                  "--num_tokens=20"))
+  # sample.py's command line, as it would run alone, in the runner that
+  # also samples a damaged checkpoint (test_damaged_real_checkpoints_fail_cleanly);
+  # gpt_dtype_test runs sample.py as a command of its own.
+  rc, stdout, stderr = runs.samples["end to end"]
   assert rc == 0, stderr
   assert stdout.endswith("\n")
   text = stdout[:-1]

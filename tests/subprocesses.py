@@ -38,3 +38,34 @@ def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
   text = output(proc)
   assert proc.returncode == 0, f"{proc.args[:4]} failed:\n{text[-5000:]}"
   return text
+
+
+class Command:
+  """``args`` started now in the repository root, a command of its own, its
+  stdout and stderr going to two files, ``<log_path>.stdout`` and
+  ``<log_path>.stderr``."""
+
+  def __init__(self, args: list[str], env: dict, log_path: str):
+    self.files = [open(f"{log_path}.{name}", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+                  for name in ("stdout", "stderr")]
+    self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.files[0],
+                                 stderr=self.files[1], text=True)
+
+  def finish(self, timeout: float = 600) -> None:
+    self.proc.wait(timeout=timeout)
+
+  def result(self) -> tuple[int, str, str]:
+    """Its exit status, stdout and stderr, once it ended."""
+    self.finish()
+    texts = []
+    for f in self.files:
+      f.seek(0)
+      texts.append(f.read())
+    return self.proc.returncode, texts[0], texts[1]
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+    for f in self.files:
+      f.close()
