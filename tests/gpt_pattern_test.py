@@ -10,6 +10,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import fast_compile
 from examples.gpt import model as gpt
@@ -17,8 +18,10 @@ from examples.gpt import model as gpt
 from haiku_helpers import random_like
 
 
-def test_gpt_pattern_decoding_matches_forward():
-  """Ring caches for local layers, full ones for global: the forward's logits."""
+@pytest.mark.parametrize("head_group", [1, 2])
+def test_gpt_pattern_decoding_matches_forward(head_group):
+  """Ring caches for local layers, full ones for global: the forward's logits,
+  with each head in a row of its own and with both in one (a TPU's layout)."""
   cfg = gpt.GPTConfig(vocab_size=11, seq_len=12, num_layers=5, num_heads=2,
                       d_model=8, pattern="LLG", window=3, remat="full")
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
@@ -26,10 +29,11 @@ def test_gpt_pattern_decoding_matches_forward():
   dec = hk.without_apply_rng(hk.transform(lambda t, c, p: gpt.decode(cfg, t, c, p)))
   params = random_like(jax.eval_shape(fwd.init, jax.random.PRNGKey(0), tokens))
   assert {k.split("/")[1] for k in params if k.startswith("h/")} == {"local", "global"}
-  cache = gpt.init_cache(cfg, 2)
+  cache = gpt.init_cache(cfg, 2, head_group=head_group)
+  rows, lanes = 2 // head_group, 4 * head_group
   assert jax.tree.map(jnp.shape, cache) == {
-      "local": {"k": (4, 2, 2, 3, 4), "v": (4, 2, 2, 3, 4)},
-      "global": {"k": (1, 2, 2, 12, 4), "v": (1, 2, 2, 12, 4)}}
+      "local": {"k": (4, 2, rows, 3, lanes), "v": (4, 2, rows, 3, lanes)},
+      "global": {"k": (1, 2, rows, 12, lanes), "v": (1, 2, rows, 12, lanes)}}
 
   def run(f, *args):   # compiled once, with XLA's fast options
     return jax.jit(f).lower(*args).compile(fast_compile.CODEGEN)(*args)

@@ -953,8 +953,10 @@ def test_sample_cli_end_to_end(runs, drivers):
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("stack", ("scan", "unrolled"))
-def test_kv_cache_decode_matches_forward(stack, block):
+@pytest.mark.parametrize("stack, head_group", [("scan", 1), ("unrolled", 1), ("scan", 2)])
+def test_kv_cache_decode_matches_forward(stack, head_group, block):
+  """Prefill and token-by-token decoding give the forward pass's logits; with
+  ``head_group=2`` (a TPU's layout) both heads share a row of the cache."""
   cfg = model_lib.GPTConfig(vocab_size=11, seq_len=16, num_layers=NUM_LAYERS,
                             num_heads=2, d_model=16, block=block, stack=stack)
   batch, length, prompt = 2, 12, 5
@@ -972,7 +974,7 @@ def test_kv_cache_decode_matches_forward(stack, block):
   @jax.jit  # One compile: the forward pass, the prefill and the decode steps.
   def forward_and_decode(params, tokens):
     expected, _ = forward.apply(params, tokens)
-    cache = model_lib.init_cache(cfg, batch)
+    cache = model_lib.init_cache(cfg, batch, head_group=head_group)
     prefill, cache = decode.apply(params, tokens[:, :prompt], cache, 0)
 
     def one_token(cache, pos):
@@ -988,10 +990,29 @@ def test_kv_cache_decode_matches_forward(stack, block):
   np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=1e-5)
   # The cache holds every layer's keys at the positions decoded, zeros after.
   keys = np.asarray(cache["k"])
-  assert keys.shape == (NUM_LAYERS, batch, 2, cfg.seq_len, 8)   # [L, B, H, T, D]
+  # [L, B, H / group, T, group * D]
+  assert keys.shape == (NUM_LAYERS, batch, 2 // head_group, cfg.seq_len, 8 * head_group)
   assert not np.any(keys[:, :, :, length:])
   assert np.all(np.any(keys[:, :, :, :length] != 0, axis=(2, 4)))
   assert not np.allclose(keys[0], keys[1])  # the layers differ
+
+
+def test_kv_cache_packs_heads_into_a_tpus_lanes():
+  """On a TPU, in bfloat16, a row of the cache holds as many heads as fill 128
+  lanes (and divide the heads); elsewhere one."""
+  def group(d_model, num_heads, dtype=jnp.bfloat16, backend="tpu"):
+    cfg = model_lib.GPTConfig(vocab_size=11, d_model=d_model, num_heads=num_heads)
+    return model_lib.cache_head_group(cfg, dtype, backend)
+
+  assert group(1024, 16) == group(768, 12) == 2          # head size 64
+  assert group(1024, 8) == group(768, 16) == 1           # 128; 48 does not divide 128
+  assert group(192, 6) == 2                              # 32: 4 would not divide 6 heads
+  assert group(1024, 16, backend="cpu") == 1
+  assert group(1024, 16, dtype=jnp.float32) == 1
+  cfg = model_lib.GPTConfig(vocab_size=11, d_model=16, num_heads=2)
+  assert model_lib.init_cache(cfg, 3)["k"].shape == (4, 3, 2, 128, 8)  # on this CPU
+  with pytest.raises(ValueError, match="head_group=3 must divide num_heads=2"):
+    model_lib.init_cache(cfg, 3, head_group=3)
 
 
 # ---------------------------------------------------------------------------
