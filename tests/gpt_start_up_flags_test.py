@@ -4,7 +4,8 @@ Flags that do nothing with ``--stack=unrolled`` (``--remat=nested``,
 ``--nested_outer``, ``--unroll``) or without ``--optimizer=muon``
 (``--muon_learning_rate``), and ``--pattern`` with L layers whose
 ``--window`` (its default or a given one) exceeds ``--seq_len``: each once
-went on in silence. The command lines run one after another in one
+went on in silence. ``--grad_accum`` that does not divide the batch, or
+beside a pipeline (which cuts its own microbatches), stops there too. The command lines run one after another in one
 interpreter (``gpt_driver.drive_cli``); each must exit non-zero with one
 line that names the flag and the fix, and write nothing. Each corrected one
 is shown to pass the flag checks by stopping at the next check (a missing
@@ -43,7 +44,14 @@ CLI_CASES = {
                         "--seq_len=16: pass --window=16 or less."]),
     "window_given": ({"pattern": "LG", "window": 20},
                      ["but --window=20 is more than --seq_len=16: pass --window=16"]),
+    "grad_accum_uneven": ({"grad_accum": 3},
+                          ["--batch_size=4 is not divisible by --grad_accum=3: each "
+                           "microbatch needs the same number of sequences."]),
+    "grad_accum_pipeline": ({"grad_accum": 2, "pipeline": "gpipe"},
+                            ["--grad_accum=2 with --pipeline=gpipe: a pipeline cuts the "
+                             "batch into --microbatches itself; drop --grad_accum."]),
     # Each corrected.
+    "grad_accum_even": ({"grad_accum": 2}, None),
     "full_unrolled": ({"stack": "unrolled", "remat": "full"}, None),
     "unroll_1_unrolled": ({"stack": "unrolled", "unroll": 1}, None),
     "muon_rate_with_muon": ({"muon_learning_rate": 0.05, "optimizer": "muon"}, None),

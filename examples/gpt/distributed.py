@@ -103,14 +103,16 @@ def check_pipeline_flags(pipeline: str, microbatches: Optional[int],
         "--remat=auto does not fix: pass --remat as one policy (e.g. full or nested).")
 
 
-def check_batch_size(batch_size: int, sizes: dict[str, int]) -> None:
-  """Raises SetupError unless the mesh's data axis divides the batch.
+def check_batch_size(batch_size: int, sizes: dict[str, int], grad_accum: int = 1) -> None:
+  """Raises SetupError unless the mesh's data axis divides the batch (each
+  of its ``grad_accum`` microbatches).
 
   The batch is split over the data axis (:func:`batch_sharding`): each data
   shard needs the same number of sequences.
   """
-  if batch_size % sizes["data"]:
-    raise SetupError(f"--batch_size={batch_size} is not divisible by the "
+  if batch_size % (grad_accum * sizes["data"]):
+    per = f" / --grad_accum={grad_accum}" if grad_accum > 1 else ""
+    raise SetupError(f"--batch_size={batch_size}{per} is not divisible by the "
                      f"mesh's data axis ({sizes['data']}); each data shard needs "
                      "the same number of sequences.")
 

@@ -67,23 +67,56 @@ def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Arra
   return shapes
 
 
-def make_train_step(model: hk.Transformed,
-                    optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def make_train_step(model: hk.Transformed, optimizer: optax.GradientTransformation,
+                    grad_accum: int = 1) -> Callable[..., Any]:
   """``(params, opt_state, tokens) -> (params, opt_state, loss, stats)``.
+
+  With ``grad_accum > 1`` the batch is cut into that many microbatches
+  (sequence ``i`` in microbatch ``i % grad_accum``, so each takes its share
+  of every data shard), whose gradients are computed one after another
+  (``lax.scan``) and averaged before the one optimizer update: the loss and
+  gradients of the whole batch, with the activations of one microbatch at a
+  time, and the update's cost spread over more tokens.
 
   Example::
 
     train_step = jax.jit(make_train_step(transform(cfg), optax.adamw(1e-3)))
     params, opt_state, loss, stats = train_step(params, opt_state, tokens)
   """
+  loss_and_grads = jax.value_and_grad(
+      lambda params, tokens: model.apply(params, tokens, training=True), has_aux=True)
+
+  def accumulated(params, tokens):
+    micro = tokens.reshape(-1, grad_accum, *tokens.shape[1:]).swapaxes(0, 1)
+
+    def one(total, tokens):
+      out, grads = loss_and_grads(params, tokens)
+      return jax.tree_util.tree_map(jnp.add, total, grads), out
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    total, outs = jax.lax.scan(one, zeros, micro)
+    mean = lambda a: jnp.mean(a, axis=0)  # noqa: E731  (equal microbatches)
+    return jax.tree_util.tree_map(mean, outs), jax.tree_util.tree_map(
+        lambda g: g / grad_accum, total)
 
   def train_step(params, opt_state, tokens):
-    (loss, stats), grads = jax.value_and_grad(model.apply, has_aux=True)(
-        params, tokens, training=True)
+    (loss, stats), grads = (loss_and_grads if grad_accum == 1 else accumulated)(
+        params, tokens)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, stats
 
   return train_step
+
+
+def check_grad_accum(grad_accum: int, batch_size: int, pipeline: str) -> None:
+  """Raises ValueError unless ``grad_accum`` microbatches cut the batch evenly
+  and no pipeline cuts it already."""
+  if grad_accum > 1 and pipeline != "none":
+    raise ValueError(f"--grad_accum={grad_accum} with --pipeline={pipeline}: a pipeline "
+                     "cuts the batch into --microbatches itself; drop --grad_accum.")
+  if batch_size % grad_accum:
+    raise ValueError(f"--batch_size={batch_size} is not divisible by --grad_accum="
+                     f"{grad_accum}: each microbatch needs the same number of sequences.")
 
 
 def compile_train_step(train_step: Callable[..., Any], mesh: jax.sharding.Mesh,

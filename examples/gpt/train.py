@@ -119,6 +119,9 @@ _ATTENTION = flags.DEFINE_enum(
     "the checkpoint.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
+_GRAD_ACCUM = flags.DEFINE_integer(
+    "grad_accum", 1, "Microbatches each step's batch is cut into, their gradients averaged before "
+    "the one update: less memory; on an accelerator, the update's cost over more tokens.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
 _STOP_AFTER = flags.DEFINE_integer(
     "stop_after", None, "Stop after this step, evaluating and checkpointing it, "
@@ -298,6 +301,7 @@ def _check_window(window: Optional[int], pattern: str, seq_len: int) -> None:
 _validate(["window", "pattern", "seq_len"], _check_window)
 _validate(["pipeline", "microbatches", "pipeline_repeats", "remat"],
           distributed.check_pipeline_flags)
+_validate(["grad_accum", "batch_size", "pipeline"], step_lib.check_grad_accum)
 
 
 def _optimizer_config() -> optimizer_lib.OptimizerConfig:
@@ -364,7 +368,7 @@ def _join_processes() -> tuple[dict[str, int], Optional[st.Pipeline]]:
     distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
     mesh_sizes = distributed.parse_mesh(_MESH.value, distributed.device_count())
-    distributed.check_batch_size(_BATCH_SIZE.value, mesh_sizes)
+    distributed.check_batch_size(_BATCH_SIZE.value, mesh_sizes, _GRAD_ACCUM.value)
     pipeline = distributed.make_pipeline(
         _PIPELINE.value, mesh_sizes, _MESH.value, _BATCH_SIZE.value,
         _MICROBATCHES.value, _PIPELINE_REPEATS.value)
@@ -475,7 +479,7 @@ def _plan_remat(workdir: str, cfg: model_lib.GPTConfig,
   Before the checkpoint folder is made: a --memory_budget that stacktools
   refuses (or that no plan meets) leaves nothing behind.
   """
-  train_step = step_lib.make_train_step(step_lib.transform(cfg), optimizer)
+  train_step = step_lib.make_train_step(step_lib.transform(cfg), optimizer, _GRAD_ACCUM.value)
   try:
     remat = remat_lib.plan(train_step, params, opt_state, batch,
                            budget=_MEMORY_BUDGET.value, candidates=_REMAT_CANDIDATES.value,
@@ -505,7 +509,7 @@ def _compile(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
              mesh: jax.sharding.Mesh, params: Any, opt_state: Any,
              batch_shape: tuple[int, ...], shardings: tuple[Any, Any, Any]) -> Any:
   """The train step compiled for the mesh; logs its temp memory."""
-  train_step = step_lib.make_train_step(step_lib.transform(cfg), optimizer)
+  train_step = step_lib.make_train_step(step_lib.transform(cfg), optimizer, _GRAD_ACCUM.value)
   compile_start = time.perf_counter()
   compiled_step = step_lib.compile_train_step(train_step, mesh, params, opt_state,
                                               batch_shape, shardings)
@@ -577,8 +581,7 @@ def set_up(argv) -> Run:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   records = metrics.read_metrics(metrics_path, start_step) if _RESUME.value else []
   _log_layout(params, opt_state, mesh, cfg)
-  # Every process samples the same global batch (cheap: indices into the
-  # text) and transfers only the rows its own devices hold.
+  # Every process samples the global batch (indices: cheap) and moves only its devices' rows.
   batch_sharding = distributed.batch_sharding(mesh)
   if cfg.remat == "auto":
     cfg = _plan_remat(workdir, cfg, optimizer, params, opt_state,
@@ -616,8 +619,7 @@ def train_loop(run: Run) -> Any:
   Returns:
     The final parameters.
   """
-  params, opt_state = run.params, run.opt_state
-  last_step = run.last_step
+  params, opt_state, last_step = run.params, run.opt_state, run.last_step
   # The losses of the steps since the last log line, and the seconds they
   # took: the clock runs while steps run and stops (once the steps dispatched
   # so far are done) for evaluation and checkpoints.
@@ -663,8 +665,7 @@ def finish(run: Run, params: Any) -> None:
     params: the final parameters.
   """
   dataset, records = run.dataset, run.records
-  # Host copies of the parameters, for sampling and the export only (a
-  # collective that gathers every shard; checkpoints never gather).
+  # Host copies, for sampling and the export (a collective; checkpoints never gather).
   host_params = (distributed.to_host(params)
                  if _SAMPLE_TOKENS.value or _EXPORT_NPZ.value else None)
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",
