@@ -8,8 +8,8 @@ prediction cannot settle. In pseudo-code::
   fits(plan) = compiled temp <= budget where compiled; else the prediction,
                compiled to check when within MARGIN of the budget
   measure=False: the plan with the fewest FLOPs that fits
-  measure=True:  challenger = fewest FLOPs among the plans with fewer than the
-                 reference that fit, a plan of several loops counted TIE more
+  measure=True:  challenger = fewest FLOPs among one-loop plans that fit
+                 (any plan with fewer FLOPs than the reference if none)
                  time reference and challenger, interleaved, in at most
                  TIMING_SHARE of one compile's time (more rounds when the
                  difference is within twice the noise)
@@ -19,14 +19,9 @@ A trace prices FLOPs and bytes but not what one costs against the other on
 this machine (on a CPU keeping a layer's activations is slower than
 recomputing them; on an accelerator the reverse is usual), so two plans are
 timed, one from each side of that trade, and the pick is one of them: a
-plan chosen by timing is always a plan that was timed. A plan of several
-loops (a per-depth mix, nested) must save more than ``TIE`` of the FLOPs to
-be the challenger over a one-loop plan, because it compiles a loop per
-segment (twice the time). Per-depth mixes come on a grid of split points;
-after the reference is compiled, the grid is refined between the two
-splits of a mix that the budget falls between
-(``Candidates.refine_mixes``), where the fastest plan that fits often
-lies. That makes at most ``MAX_COMPILES`` = 3 compiles:
+plan chosen by timing is always a plan that was timed. One-loop plans are
+preferred as the challenger because a per-depth mix compiles a loop per
+segment (twice the time). That makes at most ``MAX_COMPILES`` = 3 compiles:
 the reference, the challenger, and one check of a plan the model puts
 within ``MARGIN`` of the budget (the challenger itself, usually). When that
 check is refused (the plan does not fit), the third compile goes to the
@@ -130,34 +125,26 @@ class _Budget:
       plans.compile(i, memory_only=not timed)
     return plans.temp(i) <= budget_bytes
 
-  def fewest_flops(self, indices: Sequence[int], timed: bool = False,
-                   cost: Optional[Callable[[int], float]] = None) -> Optional[int]:
-    """The plan among ``indices`` with the fewest predicted FLOPs (or least
-    ``cost``) that fits."""
+  def fewest_flops(self, indices: Sequence[int], timed: bool = False) -> Optional[int]:
+    """The plan among ``indices`` with the fewest predicted FLOPs that fits."""
     plans = self.plans
-    cost = cost or (lambda i: plans.predicted[i].flops)
-    ranked = sorted(indices, key=lambda i: (cost(i), plans.temp(i), i))
+    ranked = sorted(indices, key=lambda i: (plans.predicted[i].flops, plans.temp(i), i))
     return next((i for i in ranked if self.fits(i, timed)), None)
 
 
 def _challenger(plans: _remat_compile.Candidates, budget: _Budget,
                 reference: int) -> Optional[int]:
-  """The plan timed against the reference: among the plans with fewer FLOPs
-  than it, the fewest that fit, a plan of several loops (a per-depth mix,
-  nested) counted ``TIE`` more: it compiles a loop per segment, so it is
-  preferred to a one-loop plan only for more than the noise's worth of
-  FLOPs. (Before, a one-loop plan always was: on a TPU v5e, GPT-2-medium
-  at batch 16 then trained with ``save:mlp_pre`` at 38.9% MFU where
-  ``none:22,full:2`` gave 40.9%.)"""
+  """The plan timed against the reference: the fewest FLOPs that fit among
+  the one-loop plans with fewer FLOPs than it, else among any such plans."""
   predicted = plans.predicted
   cheaper = [i for i in range(len(plans.plans))
              if predicted[i].flops < predicted[reference].flops]
-
-  def cost(i: int) -> float:
-    one_loop = all(_model.single_loop(r) for r in plans.choice(plans.plans[i]).values())
-    return predicted[i].flops * (1.0 if one_loop else 1.0 + _remat_results.TIE)
-
-  return budget.fewest_flops(cheaper, timed=True, cost=cost)
+  one_loop = [i for i in cheaper if all(
+      _model.single_loop(r) for r in plans.choice(plans.plans[i]).values())]
+  challenger = budget.fewest_flops(one_loop, timed=True)
+  if challenger is None:
+    challenger = budget.fewest_flops(cheaper, timed=True)
+  return challenger
 
 
 def _fastest(reference: Sequence[float],
@@ -217,7 +204,6 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       only=only, donate_argnums=donate_argnums)
   reference = plans.reference()
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
-  plans.refine_mixes(budget_bytes)
   fitting = _Budget(plans, budget_bytes)
   if not measure or not fitting.fits(reference):
     pick = fitting.fewest_flops(range(len(plans.plans)))

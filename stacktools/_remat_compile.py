@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from stacktools import _model
 from stacktools import _remat_results
 from stacktools import _remat_search
-from stacktools import loop_plan
 
 @dataclasses.dataclass
 class Compiled:
@@ -135,7 +134,6 @@ class Candidates:
       offload = _remat_search.host_memory_available()
     found = {s.key: _remat_search.candidates(s, offload=offload) for s in traced.stacks}
     self.remats = {key: _remat_search.restrict(f, only, key) for key, f in found.items()}
-    self.only = only
     _remat_search.check_known(only, found)
     self.plans = _remat_search.joint_plans(self.remats)
     self.compiled: dict[int, Compiled] = {}
@@ -146,46 +144,10 @@ class Candidates:
     self.unrunnable: set[int] = set()
     self.rest = 0
     self.compile_seconds = 0.0
-    self.predicted = [self._predict(plan) for plan in self.plans]
-
-  def _predict(self, plan: Mapping[str, str]) -> _model.Prediction:
-    return _model.predict(self.traced.models, self.choice(plan),
-                          step_flops=self.traced.step_flops,
-                          host_is_device=jax.default_backend() == "cpu")
-
-  def refine_mixes(self, budget_bytes: int) -> None:
-    """Adds every per-depth mix between the two of a pair that the budget
-    falls between, predicted as the rest.
-
-    The candidates mix two policies at a few split points
-    (``_remat_search.MIX_FRACTIONS``), a coarse grid: the fastest plan that
-    fits is often a split near the budget that the grid leaves out (on a
-    TPU v5e, GPT-2-medium at batch 16 trained at 40.9% MFU with
-    ``none:22,full:2`` against 38.9% with the grid's best). For one stack
-    of one block, with every candidate allowed (no ``only``).
-    """
-    if self.only or len(self.traced.stacks) != 1 or self.traced.stacks[0].period != 1:
-      return
-    (stack,) = self.traced.stacks
-    key, n = stack.key, stack.num_layers
-    index = {plan[key]: i for i, plan in enumerate(self.plans)}
-    for first, rest in _remat_search.MIX_PAIRS:
-      labels = {0: rest, n: first}   # the mix's ends: the policies themselves
-      for k in range(1, n):
-        label = str(loop_plan.per_depth((k, first), (n - k, rest)))
-        if label in index:
-          labels[k] = label
-      if not set(labels.values()) <= set(index):
-        continue
-      grid = sorted(labels)
-      for below, above in zip(grid, grid[1:]):
-        if (self.temp(index[labels[below]]) <= budget_bytes
-            < self.temp(index[labels[above]])):
-          for k in range(below + 1, above):
-            mix = loop_plan.per_depth((k, first), (n - k, rest))
-            self.remats[key][str(mix)] = mix
-            self.plans.append({key: str(mix)})
-            self.predicted.append(self._predict(self.plans[-1]))
+    host_is_device = jax.default_backend() == "cpu"
+    self.predicted = [
+        _model.predict(traced.models, self.choice(plan), step_flops=traced.step_flops,
+                       host_is_device=host_is_device) for plan in self.plans]
 
   def _all_full(self) -> Optional[int]:
     for i, plan in enumerate(self.plans):

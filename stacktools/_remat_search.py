@@ -257,16 +257,6 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
   return out
 
 
-def mix_of(label: str) -> Optional[Any]:
-  """The per-depth mix a label names (``"none:21,full:3"``, as ``str`` of a
-  mix writes it); None for a label that is not one."""
-  try:
-    mix = loop_plan.per_depth(label)
-  except ValueError:
-    return None
-  return mix if str(mix) == label else None
-
-
 def host_memory_available() -> bool:
   """Whether the default device has pinned host memory to offload to."""
   try:

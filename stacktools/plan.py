@@ -45,10 +45,8 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
 
   Predicts every candidate plan's temp memory and FLOPs from one trace of
   the step, compiles the reference plan (every stack ``"full"``) to calibrate
-  the predictions (and adds the per-depth mixes between the two grid splits
-  that the budget falls between), and compiles at most two more: with
-  ``measure=True`` the plan with the fewest FLOPs that fits (one of several
-  loops, a per-depth mix, only when it saves more than 5% of them), to
+  the predictions, and compiles at most two more: with ``measure=True`` the
+  plan with the fewest FLOPs among those that run each stack as one loop, to
   time it against the reference; the faster is chosen, and a tie, within the
   timing noise, goes to fewer FLOPs, then less memory. A plan predicted
   within 10% of the budget is compiled before it is trusted to fit.
@@ -170,13 +168,6 @@ def _remembered(cache: _remat_cache.PlanCache, key: Mapping[str, Any],
       _remat_search.candidates(s, offload=offload), only, s.key) for s in traced.stacks}
   labels = entry["labels"]
   try:
-    # The planner adds mixes near the budget that candidates() leaves out
-    # (Candidates.refine_mixes): those come back from their labels.
-    for plan in [labels] + [row["plan"] for row in entry["report"]["rows"]]:
-      for k, label in plan.items():
-        mix = _remat_search.mix_of(label)
-        if k in remats and label not in remats[k] and mix is not None:
-          remats[k][label] = mix
     choice = {k: remats[k][label] for k, label in labels.items()}
     if set(choice) != set(remats):
       raise KeyError(sorted(set(remats) ^ set(choice)))

@@ -364,47 +364,6 @@ def test_remembered_plan_is_reused(tmp_path, monkeypatch):
   np.testing.assert_allclose(got[1], _python_grads(*args)[1], rtol=1e-5, atol=1e-6)
 
 
-def _calibrated_candidates(step, args):
-  plans = _remat_compile.Candidates(step, args, _remat_search.trace(step, *args),
-                                    offload=False, only=None)
-  plans.compile(plans.reference(), memory_only=True)
-  return plans, {plan["loop_0"]: i for i, plan in enumerate(plans.plans)}
-
-
-def test_mixes_refined_where_the_budget_falls(tmp_path, monkeypatch):
-  """The grid mixes none and full at 2, 4 and 6 of 8 layers; a budget between
-  none:6,full:2 and none adds none:7,full:1, which the planner can choose,
-  remember and reuse."""
-  step, args = make_step()
-  plans, index = _calibrated_candidates(step, args)
-  t6, t8 = plans.temp(index["none:6,full:2"]), plans.temp(index["none"])
-  count = len(plans.plans)
-  plans.refine_mixes((t6 + t8) // 2)
-  assert [p["loop_0"] for p in plans.plans[count:]] == ["none:7,full:1"]
-  assert t6 < plans.temp(count) < t8
-  # No margin, so that a plan predicted within the budget fits uncompiled.
-  monkeypatch.setattr(_remat_results, "MARGIN", 0.0)
-  budget = (plans.temp(count) + t8) // 2
-  plan = st.plan_remat(step, *args, budget=budget, measure=False, cache_dir=tmp_path)
-  assert plan.labels == {"loop_0": "none:7,full:1"}, plan.report.decision
-  _no_compiles(monkeypatch)
-  again = st.plan_remat(step, *args, budget=budget, measure=False, cache_dir=tmp_path)
-  assert again.reused and again.labels == plan.labels
-  with again:
-    got = jax.jit(step)(*args)
-  np.testing.assert_allclose(got[1], _python_grads(*args)[1], rtol=1e-5, atol=1e-6)
-
-
-def test_mixes_not_refined_for_a_restricted_search():
-  step, args = make_step()
-  plans = _remat_compile.Candidates(step, args, _remat_search.trace(step, *args),
-                                    offload=False, only=SOME)
-  plans.compile(plans.reference(), memory_only=True)
-  count = len(plans.plans)
-  plans.refine_mixes(plans.temp(count - 1))
-  assert len(plans.plans) == count
-
-
 @pytest.mark.parametrize("change", ["budget", "width", "depth", "only"])
 def test_changed_step_or_budget_plans_afresh(tmp_path, change):
   step, args = make_step()
