@@ -418,8 +418,8 @@ def cache_head_group(cfg: GPTConfig, dtype: Any = None,
   lanes keeps the positions major, and a write touches one row of tiles
   (0.09 ms; the token 6.1 ms). A float32 cache stays a head a row: packed,
   its dots with the queries go to the matrix unit, which takes bfloat16,
-  and XLA converted the whole cache before the loop over layers (2.3x the
-  token's time).
+  and XLA converted the whole cache before the loop over layers (23.5 ms a
+  token against 14.8 ms at L=24, B=8, T=4096).
   """
   head_dim = cfg.d_model // cfg.num_heads
   dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
