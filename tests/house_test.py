@@ -2,7 +2,9 @@
 
 Checked against the source of ``stacktools/`` itself (not a picture of it):
 
-* no module over :data:`MAX_LINES` lines;
+* no module over :data:`MAX_LINES` lines, and the example's training binary
+  (``examples/gpt/train.py``: flags, the loop, logging and checkpoints) not
+  over :data:`MAX_BINARY_LINES`;
 * no function over :data:`MAX_FUNCTION_LINES` lines without a docstring;
 * no circle among the modules' imports;
 * no module imports the package (its ``__init__``) rather than a module;
@@ -21,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "stacktools")
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_BINARY_LINES = 700
 
 
 def _modules():
@@ -61,6 +64,15 @@ def test_a_module_is_a_small_room(module):
   assert len(source.splitlines()) <= MAX_LINES, (
       f"stacktools/{module}.py has {len(source.splitlines())} lines, over {MAX_LINES}: "
       "split it along a seam of its own.")
+
+
+def test_the_training_binary_stays_a_client_of_the_library():
+  with open(os.path.join(ROOT, "examples", "gpt", "train.py"), encoding="utf-8") as f:
+    lines = len(f.read().splitlines())
+  assert lines <= MAX_BINARY_LINES, (
+      f"examples/gpt/train.py has {lines} lines, over {MAX_BINARY_LINES}: move what "
+      "is not flags, the loop, logging or checkpoints into a module of the example "
+      "(or a rule into the library).")
 
 
 @pytest.mark.parametrize("module", _modules())
