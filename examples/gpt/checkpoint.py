@@ -305,10 +305,14 @@ def restore(workdir: str, step: int, params: Any,
   step_dir = epath.Path(folder(workdir)) / str(step)
   # When one read fails, Orbax closes its event loop while tensorstore still
   # completes the others, whose callbacks then raise "Event loop is closed"
-  # as unraisable exceptions: a traceback after the one-line error. Dropped
-  # from here on if the restore fails (the caller exits).
+  # as unraisable exceptions: a traceback after the one-line error; and a
+  # read task whose error Orbax never retrieved is logged by asyncio when it
+  # is collected, sometimes after that line. Both dropped from here on if the
+  # restore fails (the caller exits; the error has been said once).
   previous_hook = sys.unraisablehook
   sys.unraisablehook = _IgnoreClosedLoop(previous_hook)
+  asyncio_log = py_logging.getLogger("asyncio")
+  asyncio_log.addFilter(_UNRETRIEVED)
   restored = {}
   for item, template in (("params", params), ("opt_state", opt_state)):
     if template is None:
@@ -333,7 +337,18 @@ def restore(workdir: str, step: int, params: Any,
     finally:
       handler.close()
   sys.unraisablehook = previous_hook
+  asyncio_log.removeFilter(_UNRETRIEVED)
   return restored["params"], restored["opt_state"]
+
+
+class _UnretrievedTask(py_logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" records."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Task exception was never retrieved")
+
+
+_UNRETRIEVED = _UnretrievedTask()
 
 
 class _IgnoreClosedLoop:
