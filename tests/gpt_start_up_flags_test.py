@@ -5,8 +5,9 @@ Flags that do nothing with ``--stack=unrolled`` (``--remat=nested``,
 (``--muon_learning_rate``), and ``--pattern`` with L layers whose
 ``--window`` (its default or a given one) exceeds ``--seq_len``: each once
 went on in silence. ``--grad_accum`` that does not divide the batch, or
-beside a pipeline (which cuts its own microbatches), stops there too. The command lines run one after another in one
-interpreter (``gpt_driver.drive_cli``); each must exit non-zero with one
+beside a pipeline (which cuts its own microbatches), stops there too. The
+command lines run one after another in one interpreter
+(``gpt_driver.drive_cli``); each must exit non-zero with one
 line that names the flag and the fix, and write nothing. Each corrected one
 is shown to pass the flag checks by stopping at the next check (a missing
 ``--data_path``).
