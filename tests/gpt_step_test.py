@@ -69,3 +69,42 @@ def test_grad_accum_refuses_what_it_cannot_cut():
     step_lib.check_grad_accum(2, 8, "1f1b")
   step_lib.check_grad_accum(2, 8, "none")
   step_lib.check_grad_accum(1, 8, "gpipe")
+
+
+@pytest.mark.parametrize("error, refused", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+     "temporaries (16.43G) exceeds available HBM (15.75G).", True),
+    ("INTERNAL: something else went wrong", False)])
+def test_a_step_too_big_for_the_device_is_refused_in_one_line(monkeypatch, error, refused):
+  """On an accelerator XLA refuses to compile a step that cannot fit (a CPU
+  never does, so the refusal is raised here as XLA words it): train.py
+  then stops with one line that says so and names the flags that help,
+  not with XLA's traceback. Any other compile error goes through as it is."""
+  from examples.gpt import distributed
+
+  def refuse(self, *args, **kwargs):
+    raise jax.errors.JaxRuntimeError(error)
+
+  cfg = model_lib.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2, d_model=16)
+  tokens = jnp.zeros((2, 9), jnp.int32)
+  model = step_lib.transform(cfg)
+  params = model.init(jax.random.PRNGKey(0), tokens)
+  optimizer = optax.sgd(0.1)
+  mesh = distributed.make_mesh({"data": 1})
+  sharding = distributed.replicated(mesh)
+  shardings = (jax.tree_util.tree_map(lambda _: sharding, params),
+               jax.tree_util.tree_map(lambda _: sharding, optimizer.init(params)), sharding)
+  monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+  with pytest.raises(ValueError if refused else jax.errors.JaxRuntimeError) as caught:
+    step_lib.compile_train_step(step_lib.make_train_step(model, optimizer), mesh, params,
+                                optimizer.init(params), tokens.shape, shardings)
+  message = str(caught.value)
+  if refused:
+    assert "\n" not in message
+    assert message.startswith("the train step does not fit the device's memory (Ran out of "
+                              "memory on HBM, the total memory required for HLO temporaries "
+                              "(16.43G) exceeds available HBM (15.75G)). Make it smaller")
+    for flag in ("--remat=full", "--grad_accum", "--batch_size"):
+      assert flag in message
+  else:
+    assert message == error

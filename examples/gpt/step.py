@@ -12,6 +12,7 @@ run's shardings, the parameters and optimizer state donated.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import haiku as hk
@@ -138,16 +139,33 @@ def compile_train_step(train_step: Callable[..., Any], mesh: jax.sharding.Mesh,
 
   Returns:
     The compiled step (``.memory_analysis()`` gives its temp memory).
+
+  Raises:
+    ValueError: one line, when XLA finds that the step does not fit the
+      device's memory, naming the flags that make it smaller.
   """
   param_shardings, opt_shardings, batch_sharding = shardings
   replicated = distributed.replicated(mesh)
   with jax.set_mesh(mesh):
-    return jax.jit(
+    lowered = jax.jit(
         train_step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
         donate_argnums=(0, 1),
         out_shardings=(param_shardings, opt_shardings, replicated, replicated),
     ).lower(params, opt_state,
-            jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding)).compile()
+            jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding))
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    # On an accelerator XLA refuses, at compile time, a program whose
+    # buffers exceed the device's memory; its message says by how much.
+    if not re.search(r"RESOURCE_EXHAUSTED|out of memory", str(e), re.I):
+      raise
+    said = str(e).splitlines()[0].split("RESOURCE_EXHAUSTED:")[-1].strip().rstrip(".")
+    raise ValueError(
+        f"the train step does not fit the device's memory ({said}). Make it "
+        "smaller: recompute more (--remat=full, or --remat=auto with "
+        "--memory_budget), split each batch (--grad_accum=K), or pass a smaller "
+        "--batch_size.") from None
 
 
 def make_evaluate(model: hk.Transformed, mesh: jax.sharding.Mesh,

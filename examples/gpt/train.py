@@ -224,8 +224,7 @@ _PIPELINE_REPEATS = flags.DEFINE_integer(
     lower_bound=1)
 _COORDINATOR_ADDRESS = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, for --num_processes > 1.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run.",
-                                      lower_bound=1)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run.", lower_bound=1)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, "
                                    "0..--num_processes-1.", lower_bound=0)
 
@@ -365,8 +364,7 @@ def _join_processes() -> tuple[dict[str, int], Optional[st.Pipeline]]:
   --pipeline do not fit together.
   """
   try:
-    distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
-                           _PROCESS_ID.value)
+    distributed.initialize(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     mesh_sizes = distributed.parse_mesh(_MESH.value, distributed.device_count())
     distributed.check_batch_size(_BATCH_SIZE.value, mesh_sizes, _GRAD_ACCUM.value)
     pipeline = distributed.make_pipeline(
@@ -511,11 +509,13 @@ def _compile(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
   """The train step compiled for the mesh; logs its temp memory."""
   train_step = step_lib.make_train_step(step_lib.transform(cfg), optimizer, _GRAD_ACCUM.value)
   compile_start = time.perf_counter()
-  compiled_step = step_lib.compile_train_step(train_step, mesh, params, opt_state,
-                                              batch_shape, shardings)
-  memory = compiled_step.memory_analysis()
+  try:   # a step too big for the device is refused in one line
+    compiled_step = step_lib.compile_train_step(train_step, mesh, params, opt_state,
+                                                batch_shape, shardings)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   logging.info("Train step: compiled temp memory %.2f MiB, compiled in %.1f s (remat=%s, "
-               "stack=%s, block=%s).", memory.temp_size_in_bytes / 2**20,
+               "stack=%s, block=%s).", compiled_step.memory_analysis().temp_size_in_bytes / 2**20,
                time.perf_counter() - compile_start, remat_lib.remat_text(cfg.remat),
                cfg.stack, cfg.block)
   return compiled_step
