@@ -313,6 +313,23 @@ def test_a_budget_that_leaves_no_room_for_the_arguments_is_refused(monkeypatch):
   assert st.plan_remat(step, *args, budget="1MiB", measure=False).labels
 
 
+def test_donated_arguments_leave_their_room_to_the_budget(monkeypatch):
+  # A donated argument's buffer becomes an output, and XLA leaves it out of
+  # its own check of the program against the device's memory: only what the
+  # step keeps (here the carry, not the donated weights) is counted.
+  step, (c, ws) = make_step()
+  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: c.nbytes + 2**20 - 1)
+  with pytest.raises(ValueError, match=(
+      r"does not fit beside the step's arguments it does not donate: they hold "
+      rf"{c.nbytes / 2**20:.2f} MiB of the device's")):
+    st.plan_remat(step, c, ws, budget="1MiB", measure=False, donate_argnums=(1,))
+  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: c.nbytes + 2**20)
+  assert st.plan_remat(step, c, ws, budget="1MiB", measure=False,
+                       donate_argnums=(1,)).labels
+  with pytest.raises(ValueError, match="beside the step's arguments: they hold"):
+    st.plan_remat(step, c, ws, budget="1MiB", measure=False)
+
+
 def test_ties_go_to_fewer_flops_then_less_memory():
   row = lambda label, flops, temp, seconds: _remat_results.ReportRow(
       plan={"s": label}, predicted_temp_bytes=temp, saved_bytes=0, flops=flops,
