@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from examples.gpt import distributed
 from examples.gpt import model as model_lib
 from examples.gpt import step as step_lib
 
@@ -80,8 +81,6 @@ def test_a_step_too_big_for_the_device_is_refused_in_one_line(monkeypatch, error
   never does, so the refusal is raised here as XLA words it): train.py
   then stops with one line that says so and names the flags that help,
   not with XLA's traceback. Any other compile error goes through as it is."""
-  from examples.gpt import distributed
-
   def refuse(self, *args, **kwargs):
     raise jax.errors.JaxRuntimeError(error)
 

@@ -464,10 +464,10 @@ def _out_of_rows(out: jax.Array, group: int) -> jax.Array:
   """The mixed values, ``[B, H / group, group * t, group * D]`` (query row
   ``i * t + s`` has head ``g * group + i``'s output in that head's lanes) ->
   ``[B, t, H, D]``."""
-  b, g, rows, lanes = out.shape
-  t, d = rows // group, lanes // group
   if group == 1:
     return out.swapaxes(1, 2)
+  b, g, rows, lanes = out.shape
+  t, d = rows // group, lanes // group
   out = out.reshape(b, g, group, t, group, d)
   out = jnp.einsum("bgisjd,ij->bsgid", out, jnp.eye(group, dtype=out.dtype))
   return out.reshape(b, t, g * group, d)
