@@ -325,3 +325,30 @@ def kind_tags(pattern: _kinds.Pattern, inners: Mapping[str, hk.TransformedWithSt
   return tags
 
 
+def names_tagged_in_steps(steps: Mapping[str, Callable[..., Any]],
+                          inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                          arguments: _arguments.BlockArguments, pattern: _kinds.Pattern,
+                          keys: LayerKeys) -> set[str]:
+  """The names ``BlockSeq``'s steps tag, each kind's traced at its first layer.
+
+  What ``Stacked``'s loop gives the remat planner (``loop_plan.plan_for``'s
+  probe), for unrolled layers: each trace is recorded for the planner to
+  cost the candidates from. The parameters and state are their shapes, from
+  ``inner.init`` traced (never run), so it needs no parameters of its own.
+  """
+  names: set[str] = set()
+  for kind in pattern.names:
+    first = int(pattern.layer_ids(kind)[0])
+    index = jax.numpy.asarray(first, jax.numpy.int32)
+    sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, first)
+
+    def init(key, x, sliced, inner=inners[kind], index=index):
+      with _arguments.at_layer(index):
+        return inner.init(key, x, sliced)
+
+    params, state = jax.eval_shape(init, jax.random.PRNGKey(0), x, sliced)
+    layer = LayerSlice(params=params, state=state,
+                       rng=None if keys.apply is None else keys.apply[first],
+                       sliced=sliced, index=index)
+    names |= _jaxpr.names_tagged_in(steps[kind], x, layer)
+  return names

@@ -178,13 +178,18 @@ class StackModel:
   """A stack's layers (one per kind of block), costed under any candidate.
 
   A stack of several kinds is costed as equal shares of its kinds: the
-  discovery trace gives each kind's step but not its count.
+  discovery trace gives each kind's step but not its count. An unrolled
+  stack (``looped=False``, ``BlockSeq``) is costed per layer as a loop's
+  step (what XLA keeps of an unrolled layer is what the engine's loop step
+  keeps: it fuses the elementwise values into their consumers), but a
+  per-depth mix there has no seams to copy.
   """
 
-  def __init__(self, num_layers: int, layers: Sequence[Layer]):
+  def __init__(self, num_layers: int, layers: Sequence[Layer], looped: bool = True):
     if not layers:
       raise ValueError("A stack model needs the trace of at least one layer.")
     self.num_layers = num_layers
+    self.looped = looped
     self.layers = tuple(layers)
     self.carry_bytes = layers[0].carry_bytes
     self.input_bytes = sum(l.input_bytes for l in layers) / len(layers)
@@ -203,7 +208,7 @@ class StackModel:
     parts = (remat.segments if isinstance(remat, loop_plan.PerDepth)
              else ((self.num_layers, remat),))
     flops = kept = peak = host = 0
-    if len(parts) > 1:
+    if len(parts) > 1 and self.looped:
       # Each segment's slice of the stacked inputs is a copy, and the
       # gradient of a slice is padded to the whole stack one leaf at a time.
       kept = self.num_layers * (self.input_bytes + self.largest_input_leaf)

@@ -21,7 +21,8 @@ recomputing them; on an accelerator the reverse is usual), so two plans are
 timed, one from each side of that trade, and the pick is one of them: a
 plan chosen by timing is always a plan that was timed. One-loop plans are
 preferred as the challenger because a per-depth mix compiles a loop per
-segment (twice the time). That makes at most ``MAX_COMPILES`` = 3 compiles:
+segment (twice the time); an unrolled stack's (``BlockSeq``) mix is one
+program like any other, so there every plan counts as one loop. That makes at most ``MAX_COMPILES`` = 3 compiles:
 the reference, the challenger, and one check of a plan the model puts
 within ``MARGIN`` of the budget (the challenger itself, usually). When that
 check is refused (the plan does not fit), the third compile goes to the
@@ -151,8 +152,11 @@ def _challenger(plans: _remat_compile.Candidates, budget: _Budget,
   predicted = plans.predicted
   cheaper = [i for i in range(len(plans.plans))
              if predicted[i].flops < predicted[reference].flops]
+  # An unrolled stack (BlockSeq) compiles each of its plans as one program.
+  looped = {stack.key: stack.looped for stack in plans.traced.stacks}
   one_loop = [i for i in cheaper if all(
-      _model.single_loop(r) for r in plans.choice(plans.plans[i]).values())]
+      _model.single_loop(r) or not looped[key]
+      for key, r in plans.choice(plans.plans[i]).items())]
   challenger = budget.fewest_flops(one_loop, timed=True)
   if challenger is None:
     challenger = budget.fewest_flops(cheaper, timed=True)

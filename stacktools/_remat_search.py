@@ -47,6 +47,10 @@ from stacktools import policy as policy_lib
 MAX_JOINT_PLANS = 64
 #: The split points of per-depth mixes, as fractions of a stack's depth.
 MIX_FRACTIONS = (0.25, 0.5, 0.75)
+#: The same for an unrolled stack (``BlockSeq``), in eighths: there a mix is
+#: one program like any other (no loop per segment, no copies at its seam),
+#: so the finer grid costs predictions, not compiles.
+UNROLLED_MIX_FRACTIONS = tuple(k / 8 for k in range(1, 8))
 #: The pairs of policies mixed per depth: (first layers, remaining layers).
 MIX_PAIRS = (("none", "full"), ("full", "nested"))
 #: The label of the reference candidate, compiled first.
@@ -102,12 +106,14 @@ class StackInfo:
 
   ``period`` is the layers in one step of its loop (a mixed-layer pattern's
   length; 1 for a stack of one block): a nested split counts steps.
+  ``looped=False`` for a stack whose layers run unrolled (``BlockSeq``).
   """
 
   key: str
   num_layers: int
   tagged_names: tuple[str, ...]
   period: int = 1
+  looped: bool = True
 
 
 class _Keys:
@@ -131,12 +137,12 @@ class _Discovery:
     self.layers: dict[str, list[Any]] = {}
     self._keys = _Keys()
 
-  def remat_for(self, key, length, probe, period=1):
+  def remat_for(self, key, length, probe, period=1, looped=True):
     key = self._keys(key)
     if key not in self.stacks:
       with _jaxpr.recording_traces() as traces:   # one per kind of block
         tagged = sorted(probe() - set(policy_lib.RESERVED_NAMES))
-      self.stacks[key] = StackInfo(key, length, tuple(tagged), period)
+      self.stacks[key] = StackInfo(key, length, tuple(tagged), period, looped)
       self.layers[key] = traces
     return policy_lib.REMAT_ALIASES[REFERENCE]
 
@@ -148,8 +154,8 @@ class Fixed:
     self.choice = choice
     self._keys = _Keys()
 
-  def remat_for(self, key, length, probe, period=1):
-    del length, probe, period
+  def remat_for(self, key, length, probe, period=1, looped=True):
+    del length, probe, period, looped
     key = self._keys(key)
     if key not in self.choice:
       raise ValueError(
@@ -200,7 +206,8 @@ def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
         "Build the stacks to plan with remat='auto' (st.Stacked(..., "
         "remat='auto')).")
   models = {key: _model.StackModel(info.num_layers,
-                                   [_model.Layer(c, a) for c, a in context.layers[key]])
+                                   [_model.Layer(c, a) for c, a in context.layers[key]],
+                                   looped=info.looped)
             for key, info in context.stacks.items()}
   return Traced(stacks=tuple(context.stacks.values()), models=models,
                 step_flops=_jaxpr.jaxpr_flops(closed.jaxpr), jaxpr=closed)
@@ -226,9 +233,12 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
     assert {"full", "save:mlp_hidden", "none:2,full:6"} <= set(found)
     deep = candidates(StackInfo("h", 64, ()))
     assert deep["nested(4,4)"] == policy_lib.CheckpointPolicy(nested=(4, 4))
+    unrolled = candidates(StackInfo("h", 8, (), looped=False))
+    assert "nested" not in unrolled and "none:7,full:1" in unrolled
 
   Args:
-    stack: the stack, as :func:`discover` found it.
+    stack: the stack, as :func:`discover` found it (an unrolled one gets no
+      nested candidates, and mixes split in eighths).
     offload: include ``"offload"`` (where the backend has host memory).
 
   Returns:
@@ -236,12 +246,13 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
   """
   out: dict[str, Any] = {}
   for alias, policy in policy_lib.REMAT_ALIASES.items():
-    if alias != "offload" or offload:
+    # Unrolled layers have no loop to nest: "nested" would act as "full".
+    if (alias != "offload" or offload) and (stack.looped or not policy.nested):
       out[alias] = policy
   # A third level of nesting, where the loop is deep enough for it to keep
   # fewer carries (it costs one more forward pass).
   levels = _nested_split.three_levels(stack.num_layers // stack.period)
-  if levels is not None:
+  if levels is not None and stack.looped:
     out["nested({},{})".format(*levels)] = policy_lib.CheckpointPolicy(nested=levels)
   for name in stack.tagged_names:
     out[f"save:{name}"] = policy_lib.CheckpointPolicy(save_block_internals=[name])
@@ -249,8 +260,11 @@ def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
     out["save:" + "+".join(stack.tagged_names)] = policy_lib.CheckpointPolicy(
         save_block_internals=list(stack.tagged_names))
   n = stack.num_layers
-  splits = sorted({round(f * n) for f in MIX_FRACTIONS} - {0, n})
+  fractions = MIX_FRACTIONS if stack.looped else UNROLLED_MIX_FRACTIONS
+  splits = sorted({round(f * n) for f in fractions} - {0, n})
   for first, rest in MIX_PAIRS:
+    if not stack.looped and "nested" in (first, rest):
+      continue
     for k in splits:
       mix = loop_plan.per_depth((k, first), (n - k, rest))
       out[str(mix)] = mix

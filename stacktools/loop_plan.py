@@ -221,12 +221,15 @@ class PlanContext(Protocol):
   """What answers ``remat="auto"`` while a plan is active (see plan.py)."""
 
   def remat_for(self, key: Optional[str], length: int,
-                probe: Callable[[], set[str]], period: int = 1) -> Any:
+                probe: Callable[[], set[str]], period: int = 1,
+                looped: bool = True) -> Any:
     """The remat value for the loop ``key`` of ``length`` layers.
 
     ``probe()`` returns the names the loop's body tags with checkpoint_name;
     only a context that discovers loops calls it (it traces the body again).
     ``period`` is the layers in one step of the loop (a pattern's length).
+    ``looped=False``: the layers run unrolled (``BlockSeq``), one program
+    each, with no loop around them.
     """
 
 
@@ -253,7 +256,8 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_kinds.ONE
               period: int = 1, reverse: bool = False, init: bool = False,
               probe: Optional[Callable[[], set[str]]] = None,
               sizes: Optional[Sizes] = None,
-              tags: Optional[Callable[[], Mapping[str, set[str]]]] = None) -> LoopPlan:
+              tags: Optional[Callable[[], Mapping[str, set[str]]]] = None,
+              looped: bool = True) -> LoopPlan:
   """The one place a ``remat=`` value becomes how a loop runs.
 
   In pseudo-code, the engine then runs::
@@ -272,10 +276,14 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_kinds.ONE
       policy changes it, and a plan is made from initialised parameters, so
       ``"auto"`` needs no plan there: it runs as ``"none"``.
     probe: returns the names the blocks tag, for a plan that discovers loops.
+      It traces each kind's step once, and that trace is what the planner
+      costs the candidates from.
     sizes: the bytes a nested split weighs (default: carries alone).
     tags: returns the names each kind's block tags; asked only when several
       kinds run under a policy that names block internals, which each kind
       then keeps where it tags them.
+    looped: whether the layers run in a loop (``False`` for ``BlockSeq``'s
+      Python loop, which the planner costs without a loop's seams).
 
   Returns:
     The plan.
@@ -289,7 +297,7 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_kinds.ONE
   if isinstance(remat, AutoRemat):
     if _PLANS:
       remat = as_remat(_PLANS.innermost().remat_for(remat.key, num_layers, probe or set,
-                                                 period=period))
+                                                 period=period, looped=looped))
     elif init:
       remat = policy_lib.REMAT_ALIASES["none"]
     else:

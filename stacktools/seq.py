@@ -34,14 +34,11 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, mode, policy,
-               rates, arguments):
+  def __call__(self, inner, x, sliced, *, index, init_key, rng, step, policy):
     params, state, updater = _layer_step.lift_layer(inner, init_key, x, sliced, index)
     layer = _layer_step.LayerSlice(params=params, state=state, rng=rng,
                                    sliced=sliced, index=index)
-    step = _layer_step.checked_step(inner, mode, arguments)
-    x, result = policy.checkpoint_step(_layer_step.droppable(step, rates),
-                                       looped=False)(x, layer)
+    x, result = policy.checkpoint_step(step, looped=False)(x, layer)
     updater.update(result.state)
     return x, result.y, result.writes
 
@@ -104,12 +101,15 @@ class BlockSeq(_stack_module.StackModule):
     # The same draws, in the same order, as Stacked.
     keys = _layer_step.draw_layer_keys(n)
     rates = _layer_step.drop_rates(self.layer_drop, keys)
-    # The loop plan Stacked would run, walked one layer at a time (a plan's
-    # choice for remat="auto" comes with no tagged names discovered).
+    steps = {kind: _layer_step.droppable(_layer_step.checked_step(inners[kind], mode, arguments),
+                                         rates) for kind in pattern.names}
+    # The loop plan Stacked would run, walked one layer at a time.
     plan = loop_plan.plan_loop(
         self.remat, n, kinds=pattern.names, period=pattern.period,
         reverse=self.reverse, init=hk.running_init(),
-        tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))
+        probe=lambda: _layer_step.names_tagged_in_steps(
+            steps, inners, x, arguments, pattern, keys),
+        tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments), looped=False)
     ys, writes = [None] * n, [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
@@ -119,9 +119,8 @@ class BlockSeq(_stack_module.StackModule):
             inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
             index=jnp.asarray(i, jnp.int32),
             init_key=None if keys.init is None else keys.init[i],
-            rng=None if keys.apply is None else keys.apply[i], mode=mode,
-            policy=segment.steps[kind].outside_loop(), rates=rates,
-            arguments=arguments)
+            rng=None if keys.apply is None else keys.apply[i], step=steps[kind],
+            policy=segment.steps[kind].outside_loop())
     if mode == "fold":
       return x, None
     ys = pattern.collect(ys)

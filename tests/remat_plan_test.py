@@ -252,6 +252,82 @@ def test_candidates_found_by_tracing():
   assert "offload" not in _remat_search.candidates(stack, offload=False)
 
 
+class _ThreeMatmuls(hk.Module):
+  """Keeping ``first`` spares the backward pass one of the two matmuls that
+  "full" recomputes (the third's output is not read back)."""
+
+  def __call__(self, x):
+    a = st.checkpoint_name(hk.Linear(4 * D, name="fc1")(x), "first")
+    b = jnp.tanh(hk.Linear(4 * D, name="fc2")(jnp.tanh(a)))
+    return x + 0.1 * hk.Linear(D, name="fc3")(b)
+
+
+def _auto_seq_step(stack_cls=st.BlockSeq, block=_TaggedBlock):
+  """_auto_step's model as one stack of ``stack_cls`` (BlockSeq: unrolled)."""
+  def loss(x):
+    return jnp.mean(stack_cls(lambda: block(name="block"), L, remat="auto",
+                              name="h0").fold(x) ** 2)
+  model = hk.without_apply_rng(hk.transform(loss))
+  x = jax.random.normal(jax.random.PRNGKey(1), (64, D))
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), x)
+  return jax.value_and_grad(model.apply), params, x, loss
+
+
+def test_blockseq_auto_is_planned_as_unrolled_layers():
+  step, params, x, _ = _auto_seq_step()
+  traced = _remat_search.trace(step, params, x)
+  (stack,) = traced.stacks
+  assert (stack.key, stack.num_layers, stack.looped) == ("h0", L, False)
+  assert stack.tagged_names == ("mlp_hidden", "mlp_out")
+  labels = list(_remat_search.candidates(stack))
+  # No loop to nest; the mixes in eighths of the depth (6 layers: 1 to 5).
+  assert not [label for label in labels if "nested" in label]
+  assert [label for label in labels if "," in label and label[0] == "n"] == [
+      f"none:{k},full:{L - k}" for k in range(1, L)]
+  # A mix costs its segments' layers and nothing at the seam, unlike a
+  # Stacked mix, whose segments copy their slices of the stacked inputs.
+  model = traced.models["h0"]
+  none, full = (model.layer_cost(st.REMAT_ALIASES[a]) for a in ("none", "full"))
+  mix = st.per_depth((2, "none"), (4, "full"))
+  assert model.cost(mix).kept == 2 * none.kept + 4 * full.kept
+  stacked = _remat_search.trace(*_auto_seq_step(st.Stacked)[:3]).models["h0"]
+  assert stacked.cost(mix).kept > 2 * none.kept + 4 * full.kept
+  # Each compiled row is the step compiled with its remat given to BlockSeq.
+  report = st.remat_report(step, params, x, only=("none", "full", "none:3,full:3"),
+                           compile_all=True)
+  for row in report.rows:
+    remat = report.remats["h0"][row.plan["h0"]]
+    direct = jax.value_and_grad(hk.without_apply_rng(hk.transform(
+        lambda x, remat=remat: jnp.mean(st.BlockSeq(
+            lambda: _TaggedBlock(name="block"), L, remat=remat, name="h0").fold(x) ** 2))).apply)
+    want = jax.jit(direct).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    assert row.temp_bytes == want, row
+
+
+@pytest.mark.parametrize("stack_cls, challenger", [
+    (st.BlockSeq, "none:4,full:2"),   # unrolled: a mix is one program
+    (st.Stacked, "save:first"),       # a loop per segment: one loop preferred
+])
+def test_the_challenger_is_the_fewest_flops_among_one_program_plans(stack_cls, challenger):
+  step, params, x, _ = _auto_seq_step(stack_cls, _ThreeMatmuls)
+  plan = st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
+                       only=("full", "save:first", "none:4,full:2"))
+  by = {r.plan["h0"]: r for r in plan.report.rows}
+  assert by["none:4,full:2"].flops < by["save:first"].flops < by["full"].flops
+  # Timed against "full" (the reference).
+  assert sorted(label for label, r in by.items() if r.step_time_s) == sorted(
+      ["full", challenger]), plan.report
+  # Planned and run: the gradients of the step without checkpointing.
+  with plan:
+    value, grads = jax.jit(step)(params, x)
+  ref_value, ref_grads = jax.value_and_grad(hk.without_apply_rng(hk.transform(
+      lambda x: jnp.mean(stack_cls(lambda: _ThreeMatmuls(name="block"), L,
+                                   name="h0").fold(x) ** 2))).apply)(params, x)
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads, ref_grads)
+
+
 class _SmallResidual(hk.Module):
   """A residual MLP whose branch starts small, so 128 of them stay finite."""
 
