@@ -31,6 +31,7 @@ a pipeline stage runs its share of the layers on the engine: each with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional
 
@@ -90,6 +91,14 @@ def draw_layer_keys(num_layers: int) -> LayerKeys:
   return LayerKeys(init_keys, apply_keys)
 
 
+def init_at(inner: hk.TransformedWithState, index: Any) -> Callable[..., Any]:
+  """``inner.init(key, x, sliced)`` with ``layer_index() == index``."""
+  def init(key, x, sliced):
+    with _arguments.at_layer(jax.numpy.asarray(index, jax.numpy.int32)):
+      return inner.init(key, x, sliced)
+  return init
+
+
 def lift_layers(inner: hk.TransformedWithState, init_keys: Optional[jax.Array],
                 x: PyTree, sliced: PyTree, indices: jax.Array):
   """The layers' parameters and state, from one ``jax.vmap`` of ``inner.init``.
@@ -104,8 +113,7 @@ def lift_layers(inner: hk.TransformedWithState, init_keys: Optional[jax.Array],
 
   def init_all_layers(init_keys, x, sliced):
     def init_one(key, layer_sliced, index):
-      with _arguments.at_layer(index):
-        return inner.init(key, x, layer_sliced)
+      return init_at(inner, index)(key, x, layer_sliced)
     return jax.vmap(init_one, in_axes=(None if init_keys is None else 0, 0, 0),
                     axis_size=len(indices))(init_keys, sliced, indices)
 
@@ -126,11 +134,8 @@ def lift_layer(inner: hk.TransformedWithState, init_key: Optional[jax.Array], x:
   Returns:
     ``(params, state, updater)``, as :func:`lift_layers`.
   """
-  def init(key, x, sliced):
-    with _arguments.at_layer(index):
-      return inner.init(key, x, sliced)
-
-  params_and_state, updater = hk.transparent_lift_with_state(init, allow_reuse=True)
+  params_and_state, updater = hk.transparent_lift_with_state(init_at(inner, index),
+                                                             allow_reuse=True)
   params, state = params_and_state(init_key, x, sliced)
   return params, state, updater
 
@@ -315,13 +320,9 @@ def kind_tags(pattern: _kinds.Pattern, inners: Mapping[str, hk.TransformedWithSt
   tags = {}
   for kind in pattern.names:
     first = int(pattern.layer_ids(kind)[0])
-
-    def init(x, sliced, inner=inners[kind], first=first):
-      with _arguments.at_layer(jax.numpy.asarray(first, jax.numpy.int32)):
-        return inner.init(jax.random.PRNGKey(0), x, sliced)
-
     tags[kind] = _jaxpr.names_tagged_in(
-        init, x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, first))
+        functools.partial(init_at(inners[kind], first), jax.random.PRNGKey(0)), x,
+        pattern.layer_inputs(arguments.sliced, arguments.by_kind, first))
   return tags
 
 
@@ -339,16 +340,11 @@ def names_tagged_in_steps(steps: Mapping[str, Callable[..., Any]],
   names: set[str] = set()
   for kind in pattern.names:
     first = int(pattern.layer_ids(kind)[0])
-    index = jax.numpy.asarray(first, jax.numpy.int32)
     sliced = pattern.layer_inputs(arguments.sliced, arguments.by_kind, first)
-
-    def init(key, x, sliced, inner=inners[kind], index=index):
-      with _arguments.at_layer(index):
-        return inner.init(key, x, sliced)
-
-    params, state = jax.eval_shape(init, jax.random.PRNGKey(0), x, sliced)
+    params, state = jax.eval_shape(init_at(inners[kind], first), jax.random.PRNGKey(0),
+                                   x, sliced)
     layer = LayerSlice(params=params, state=state,
                        rng=None if keys.apply is None else keys.apply[first],
-                       sliced=sliced, index=index)
+                       sliced=sliced, index=jax.numpy.asarray(first, jax.numpy.int32))
     names |= _jaxpr.names_tagged_in(steps[kind], x, layer)
   return names

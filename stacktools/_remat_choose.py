@@ -22,12 +22,12 @@ timed, one from each side of that trade, and the pick is one of them: a
 plan chosen by timing is always a plan that was timed. One-loop plans are
 preferred as the challenger because a per-depth mix compiles a loop per
 segment (twice the time); an unrolled stack's (``BlockSeq``) mix is one
-program like any other, so there every plan counts as one loop. That makes at most ``MAX_COMPILES`` = 3 compiles:
-the reference, the challenger, and one check of a plan the model puts
-within ``MARGIN`` of the budget (the challenger itself, usually). When that
-check is refused (the plan does not fit), the third compile goes to the
-plan with the fewest FLOPs that the model puts surely within the budget: a
-plan at the edge is never checked at the cost of one that fits. Why not
+program like any other, so there every plan counts as one loop. That makes
+at most ``MAX_COMPILES`` = 3 compiles: the reference, the challenger, and
+one check of a plan the model puts within ``MARGIN`` of the budget (the
+challenger itself, usually). When that check is refused (the plan does not
+fit), the third compile goes to the plan with the fewest FLOPs that the
+model puts surely within the budget: a plan at the edge is never checked at the cost of one that fits. Why not
 fewer: the reference is the one compile that tells what the step holds
 besides its stacks, and the two sides of the trade need a timing each. Why
 not more: on the benchmarks the model's error on temp bytes is within the
