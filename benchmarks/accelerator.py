@@ -77,8 +77,10 @@ from benchmarks import decode
 from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
+from examples.gpt import decoding
 from examples.gpt import metrics
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 from examples.gpt import step as step_lib
 # pylint: enable=wrong-import-position
 
@@ -86,7 +88,7 @@ NAME = "accelerator"
 PARTS = ("gpt", "decode", "offload", "train")
 DTYPES = ("float32", "bfloat16")
 #: The example's default remat: full, keeping the matmul outputs.
-DEFAULT = st.CheckpointPolicy(save_block_internals=model_lib.KEPT_MATMUL_OUTPUTS)
+DEFAULT = st.CheckpointPolicy(save_block_internals=model_config.KEPT_MATMUL_OUTPUTS)
 #: (label, stack, remat) of the GPT configurations, in the table's order.
 GPT_RUNS = (
     ("BlockSeq (unrolled), none", "unrolled", "none"),
@@ -402,10 +404,10 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 
 def gpt_config(size: dict[str, int], stack: str, remat: Any,
-               dtype: str = "float32") -> model_lib.GPTConfig:
+               dtype: str = "float32") -> model_config.GPTConfig:
   """The GPT of one configuration; ``dtype`` is its compute dtype (the
   example's mixed precision: float32 parameters either way)."""
-  return model_lib.GPTConfig(
+  return model_config.GPTConfig(
       vocab_size=VOCAB, seq_len=size["seq_len"], num_layers=size["layers"],
       num_heads=size["heads"], d_model=size["d_model"], bias=False,
       stack="unrolled" if stack == "unrolled" else "scan",
@@ -419,7 +421,7 @@ def gpt_loss(size: dict[str, int], stack: str, remat: Any, dtype: str):
   if stack == "hk_layer_stack":
     def loss(tokens):
       with model_lib.precision(cfg):   # loss_fn enters it itself
-        embed, head = model_lib._ends(cfg)  # pylint: disable=protected-access
+        embed, head = model_lib.ends(cfg)  # pylint: disable=protected-access
         x = embed(tokens[:, :-1])
         block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
         if remat is not None:
@@ -558,16 +560,16 @@ def decode_batch(point_args, batch: int, seq_len: int, dtype: str,
                  limit: Optional[int]) -> int:
   """``batch``, halved while one cache and two copies of the parameters (the
   scanned and the unrolled layout) would not fit in :data:`FIT` of ``limit``."""
-  cfg = model_lib.GPTConfig(vocab_size=VOCAB, seq_len=seq_len,
-                            num_layers=point_args.num_layers, num_heads=point_args.num_heads,
-                            d_model=point_args.d_model)
+  cfg = model_config.GPTConfig(vocab_size=VOCAB, seq_len=seq_len,
+                               num_layers=point_args.num_layers, num_heads=point_args.num_heads,
+                               d_model=point_args.d_model)
   forward = hk.transform(lambda t: model_lib.forward(cfg, t)[0])
   params = jax.eval_shape(forward.init, jax.random.PRNGKey(0),
                           jax.ShapeDtypeStruct((1, 8), jnp.int32))
   itemsize = jnp.dtype(dtype).itemsize
   param_bytes = decode.cache_bytes(params) // 4 * itemsize
   while limit is not None and batch > 1:
-    cache = jax.eval_shape(lambda b=batch: model_lib.init_cache(cfg, b, jnp.dtype(dtype)))
+    cache = jax.eval_shape(lambda b=batch: decoding.init_cache(cfg, b, jnp.dtype(dtype)))
     if decode.cache_bytes(cache) + 2 * param_bytes <= FIT * limit:
       break
     batch //= 2

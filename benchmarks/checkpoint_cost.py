@@ -49,6 +49,7 @@ from benchmarks import harness
 from benchmarks import instruments
 from examples.gpt import checkpoint
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 # pylint: enable=wrong-import-position
 
 NAME = "checkpoint_cost"
@@ -167,9 +168,9 @@ def draw(payload: dict[str, Any]):
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   args = harness.parse_args(build_parser, QUICK, argv)
   start = time.perf_counter()
-  cfg = model_lib.GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
-                            num_layers=args.num_layers, num_heads=args.num_heads,
-                            d_model=args.d_model, remat=args.remat)
+  cfg = model_config.GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
+                               num_layers=args.num_layers, num_heads=args.num_heads,
+                               d_model=args.d_model, remat=args.remat)
   model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.warmup_cosine_decay_schedule(0.0, 2e-3, 2, 1000, 2e-4), weight_decay=0.01))

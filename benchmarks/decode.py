@@ -64,7 +64,9 @@ import stacktools as st
 from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
+from examples.gpt import decoding
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 # pylint: enable=wrong-import-position
 
 NAME = "decode"
@@ -120,13 +122,13 @@ class Point:
                dtype: Any = jnp.float32, share_cache: bool = False):
     base = dict(vocab_size=args.vocab_size, seq_len=seq_len, num_layers=args.num_layers,
                 num_heads=args.num_heads, d_model=args.d_model)
-    cfg = model_lib.GPTConfig(**base)
+    cfg = model_config.GPTConfig(**base)
     forward = hk.without_apply_rng(hk.transform(
         lambda t: model_lib.forward(cfg, t)[0][:, -1]))
     self.tokens = jnp.zeros((batch, seq_len), jnp.int32)
     params = jax.jit(forward.init)(jax.random.PRNGKey(0), self.tokens[:, :8])
     params = jax.tree.map(lambda a: a.astype(dtype), params)
-    new_cache = lambda: model_lib.init_cache(cfg, batch, dtype)  # noqa: E731
+    new_cache = lambda: decoding.init_cache(cfg, batch, dtype)  # noqa: E731
     self.cache_bytes = cache_bytes(jax.eval_shape(new_cache))
     self.cfg, self.batch = cfg, batch
     self.pos = seq_len - 1 if pos is None else pos
@@ -134,9 +136,9 @@ class Point:
     token = self.tokens[:, :1]
 
     def decoder(stack, in_place):
-      c = model_lib.GPTConfig(**base, stack=stack)
+      c = model_config.GPTConfig(**base, stack=stack)
       return hk.without_apply_rng(hk.transform(
-          lambda t, cache, p: model_lib.decode(c, t, cache, p, in_place=in_place)))
+          lambda t, cache, p: decoding.decode(c, t, cache, p, in_place=in_place)))
 
     self.params = {"in_place": params, "sliced": params, "recompute": params,
                    "floor": params}
@@ -246,16 +248,16 @@ def peak_growth(args, options) -> dict[str, Any]:
   """Peak bytes of the in-place step at each of --peak_batches (compiled only)."""
   out = {}
   for batch in args.peak_batches:
-    cfg = model_lib.GPTConfig(vocab_size=args.vocab_size, seq_len=args.memory_seq_len,
-                              num_layers=args.num_layers, num_heads=args.num_heads,
-                              d_model=args.d_model)
+    cfg = model_config.GPTConfig(vocab_size=args.vocab_size, seq_len=args.memory_seq_len,
+                                 num_layers=args.num_layers, num_heads=args.num_heads,
+                                 d_model=args.d_model)
     model = hk.without_apply_rng(hk.transform(
-        lambda t, c, p, cfg=cfg: model_lib.decode(cfg, t, c, p)))
+        lambda t, c, p, cfg=cfg: decoding.decode(cfg, t, c, p)))
     forward = hk.without_apply_rng(hk.transform(
         lambda t, cfg=cfg: model_lib.forward(cfg, t)))
     params = jax.eval_shape(forward.init, jax.random.PRNGKey(0),
                             jnp.zeros((1, 8), jnp.int32))
-    cache = jax.eval_shape(lambda cfg=cfg, batch=batch: model_lib.init_cache(cfg, batch))
+    cache = jax.eval_shape(lambda cfg=cfg, batch=batch: decoding.init_cache(cfg, batch))
     compiled = jax.jit(model.apply, donate_argnums=2).lower(
         params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, 0).compile(
             compiler_options=options)

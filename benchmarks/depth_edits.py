@@ -55,6 +55,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from examples.gpt import checkpoint  # pylint: disable=wrong-import-position
 from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
 from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
+from examples.gpt import model_config  # pylint: disable=wrong-import-position
 import stacktools as st  # pylint: disable=wrong-import-position
 from stacktools import depth  # pylint: disable=wrong-import-position
 
@@ -64,13 +65,13 @@ LABELS = {"scratch": "4 layers from scratch",
           "progressive": "2 layers, grown to 4 (zeroed fresh layers)"}
 
 
-def _config(args, vocab_size: int, num_layers: int, **changes) -> model_lib.GPTConfig:
-  return model_lib.GPTConfig(vocab_size=vocab_size, seq_len=args.seq_len,
-                             num_layers=num_layers, num_heads=args.num_heads,
-                             d_model=args.d_model, remat="none", **changes)
+def _config(args, vocab_size: int, num_layers: int, **changes) -> model_config.GPTConfig:
+  return model_config.GPTConfig(vocab_size=vocab_size, seq_len=args.seq_len,
+                                num_layers=num_layers, num_heads=args.num_heads,
+                                d_model=args.d_model, remat="none", **changes)
 
 
-def _model(cfg: model_lib.GPTConfig) -> hk.Transformed:
+def _model(cfg: model_config.GPTConfig) -> hk.Transformed:
   return hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
 
 
@@ -142,7 +143,7 @@ class Arm:
                                              jax.device_get(tx.init(fresh)), stack="h",
                                              indices=indices)
         params = st.take_layers(params, "h", indices, new=fresh,
-                                zero=model_lib.RESIDUAL_OUTPUTS)
+                                zero=model_config.RESIDUAL_OUTPUTS)
         after = self.evaluate(new_model, params)
         self.events = {"grow_step": step, "grow_compute": compute, "indices": indices,
                        "valid_loss_before": before, "valid_loss_after": after}

@@ -52,6 +52,7 @@ import optax  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
 from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
+from examples.gpt import model_config  # pylint: disable=wrong-import-position
 import stacktools as st  # pylint: disable=wrong-import-position
 
 NAME = "layer_rules"
@@ -96,10 +97,10 @@ def make_optimizer(name: str, args) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
 
 
-def _config(args, vocab_size: int, **changes) -> model_lib.GPTConfig:
-  return model_lib.GPTConfig(vocab_size=vocab_size, seq_len=args.seq_len,
-                             num_layers=args.num_layers, num_heads=args.num_heads,
-                             d_model=args.d_model, remat="full", bias=False, **changes)
+def _config(args, vocab_size: int, **changes) -> model_config.GPTConfig:
+  return model_config.GPTConfig(vocab_size=vocab_size, seq_len=args.seq_len,
+                                num_layers=args.num_layers, num_heads=args.num_heads,
+                                d_model=args.d_model, remat="full", bias=False, **changes)
 
 
 def train(name: str, args, dataset: data_lib.CharDataset, valid: list[np.ndarray]
@@ -133,7 +134,7 @@ def train(name: str, args, dataset: data_lib.CharDataset, valid: list[np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
-class _UniformDrop(model_lib.GPTConfig):
+class _UniformDrop(model_config.GPTConfig):
   """The example's config with one drop rate on every layer (not linear)."""
 
   def drop_rates(self) -> list[float]:

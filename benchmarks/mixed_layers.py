@@ -52,7 +52,9 @@ import stacktools as st  # pylint: disable=wrong-import-position
 from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import instruments  # pylint: disable=wrong-import-position
+from examples.gpt import decoding  # pylint: disable=wrong-import-position
 from examples.gpt import model as gpt  # pylint: disable=wrong-import-position
+from examples.gpt import model_config  # pylint: disable=wrong-import-position
 
 NAME = "mixed_layers"
 P51 = "LLLLLG"
@@ -85,8 +87,8 @@ def factories(args) -> dict[str, Any]:
     return {"L": lambda: MLPBlock(2, name="block"), "G": lambda: MLPBlock(4, name="block")}
   # The GPT example's block; Block takes the window itself, so the config
   # needs no pattern (its vocab_size is never used by a block).
-  cfg = gpt.GPTConfig(vocab_size=1, seq_len=args.seq_len, num_heads=args.heads,
-                      d_model=args.width)
+  cfg = model_config.GPTConfig(vocab_size=1, seq_len=args.seq_len, num_heads=args.heads,
+                               d_model=args.width)
   return {"L": lambda: gpt.Block(cfg, args.window, name="block"),
           "G": lambda: gpt.Block(cfg, None, name="block")}
 
@@ -181,8 +183,8 @@ def verify_gpt(args) -> list[dict[str, Any]]:
   rows, base = [], None
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 17), 0, 32)
   for remat in ["none"] + [a for a in args.gpt_aliases if a != "none"]:
-    cfg = gpt.GPTConfig(vocab_size=32, seq_len=16, num_layers=6, num_heads=2, d_model=16,
-                        pattern="LLLG", window=4, remat=remat)
+    cfg = model_config.GPTConfig(vocab_size=32, seq_len=16, num_layers=6, num_heads=2, d_model=16,
+                                 pattern="LLLG", window=4, remat=remat)
     model = hk.without_apply_rng(hk.transform(lambda t, cfg=cfg: gpt.loss_fn(cfg, t)[0]))
     params = random_params(model, tokens)
     out = jax.jit(jax.value_and_grad(model.apply)).lower(params, tokens).compile(
@@ -250,8 +252,8 @@ def measure_memory(args) -> list[dict[str, Any]]:
 # 4. KV-cache bytes of the GPT example.
 
 
-def kv_bytes(cfg: gpt.GPTConfig) -> int:
-  shapes = jax.eval_shape(lambda: gpt.init_cache(cfg, 1))
+def kv_bytes(cfg: model_config.GPTConfig) -> int:
+  shapes = jax.eval_shape(lambda: decoding.init_cache(cfg, 1))
   return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
 
 
@@ -260,9 +262,9 @@ def measure_kv(args) -> list[dict[str, Any]]:
   for seq_len in args.kv_seq_lens:
     common = dict(vocab_size=128, seq_len=seq_len, num_layers=args.kv_layers,
                   num_heads=4, d_model=128)
-    local = kv_bytes(gpt.GPTConfig(pattern="LLLG", window=min(args.kv_window, seq_len),
-                                   **common))
-    full = kv_bytes(gpt.GPTConfig(**common))
+    local = kv_bytes(model_config.GPTConfig(pattern="LLLG", window=min(args.kv_window, seq_len),
+                                            **common))
+    full = kv_bytes(model_config.GPTConfig(**common))
     rows.append({"seq_len": seq_len, "pattern_LLLG_bytes": local, "all_global_bytes": full,
                  "ratio": local / full})
   return rows

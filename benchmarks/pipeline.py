@@ -114,6 +114,7 @@ from benchmarks import harness
 from benchmarks import instruments
 from benchmarks import models
 from examples.gpt import model as gpt
+from examples.gpt import model_config
 # pylint: enable=wrong-import-position
 
 NAME = "pipeline"
@@ -392,9 +393,9 @@ def compile_step(model: hk.Transformed, params, x, mesh: Optional[Mesh],
 
 def example_loss(args, pipeline: Optional[st.Pipeline]) -> hk.Transformed:
   """The GPT example's training loss (``loss_fn``), its stack named ``h``."""
-  cfg = gpt.GPTConfig(vocab_size=args.example_vocab, seq_len=args.example_seq_len,
-                      num_layers=args.example_layers, num_heads=args.example_heads,
-                      d_model=args.example_width, remat="full", pipeline=pipeline)
+  cfg = model_config.GPTConfig(vocab_size=args.example_vocab, seq_len=args.example_seq_len,
+                               num_layers=args.example_layers, num_heads=args.example_heads,
+                               d_model=args.example_width, remat="full", pipeline=pipeline)
   return hk.without_apply_rng(hk.transform(lambda tokens: gpt.loss_fn(cfg, tokens)[0]))
 
 

@@ -64,6 +64,7 @@ from benchmarks import harness
 from benchmarks import instruments
 from examples.gpt import distributed
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 # pylint: enable=wrong-import-position
 
 NAME = "sharding"
@@ -215,9 +216,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         f"{jax.device_count()}: run it as a script (it sets XLA_FLAGS={_DEVICE_FLAG}="
         f"{NUM_DEVICES} before importing JAX), or set that flag yourself.")
   start = time.perf_counter()
-  cfg = model_lib.GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
-                            num_layers=args.num_layers, num_heads=args.num_heads,
-                            d_model=args.d_model, remat=args.remat)
+  cfg = model_config.GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
+                               num_layers=args.num_layers, num_heads=args.num_heads,
+                               d_model=args.d_model, remat=args.remat)
   model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)))
   # As train.py: clipping, then AdamW with warmup and cosine decay.
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(

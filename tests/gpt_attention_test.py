@@ -19,22 +19,24 @@ try:  # Public in some JAX versions; only in jax._src in jax 0.10.
 except ImportError:
   from jax._src.ad_checkpoint import saved_residuals
 
+from examples.gpt import attention as attention_lib
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 import stacktools as st
 
-T = 2 * model_lib.SPLASH_TILE    # two kernel blocks of 128 positions
+T = 2 * model_config.SPLASH_TILE    # two kernel blocks of 128 positions
 
 
 def config(attention, **kwargs):
-  return model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=T, num_layers=2, num_heads=2,
-                                       d_model=16, attention=attention), **kwargs})
+  return model_config.GPTConfig(**{**dict(vocab_size=11, seq_len=T, num_layers=2, num_heads=2,
+                                          d_model=16, attention=attention), **kwargs})
 
 
 def loss_and_grads(cfg, tokens):
   model = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
   # The kernel is first built inside a jitted init, as train.py builds it;
   # the cached kernel then serves the other traces.
-  model_lib._splash.cache_clear()  # pylint: disable=protected-access
+  attention_lib._splash.cache_clear()  # pylint: disable=protected-access
   params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
   return jax.jit(jax.value_and_grad(model.apply))(params, tokens)
 
@@ -78,7 +80,7 @@ def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
 ])
 def test_refused_with_the_fix(kwargs, message):
   with pytest.raises(ValueError, match=message):
-    model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=T), **kwargs})
+    model_config.GPTConfig(**{**dict(vocab_size=11, seq_len=T), **kwargs})
 
 
 def test_keeping_attn_mix_keeps_what_the_kernels_backward_reads():

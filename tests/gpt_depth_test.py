@@ -34,6 +34,7 @@ import stacktools as st
 from stacktools import depth
 from examples.gpt import checkpoint
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 import gpt_driver
 from subprocesses import wait
 
@@ -223,8 +224,8 @@ def _gpt_params(num_layers, pattern="", seed=0):
 
 @functools.lru_cache(maxsize=None)
 def _gpt_params_once(num_layers, pattern, seed):
-  cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=num_layers, num_heads=2,
-                            d_model=8, pattern=pattern, window=4 if pattern else 0)
+  cfg = model_config.GPTConfig(vocab_size=11, seq_len=8, num_layers=num_layers, num_heads=2,
+                               d_model=8, pattern=pattern, window=4 if pattern else 0)
   model = hk.transform(lambda t: model_lib.forward(cfg, t))
   params = model.init(jax.random.PRNGKey(seed), np.zeros((1, 8), np.int32))
   return jax.device_get(params)
@@ -277,7 +278,7 @@ def test_restore_across_depth_equals_the_mapping_by_hand(tmp_path, case):
   before = _listing(tmp_path)
   params, opt_state = checkpoint.restore_across_depth(
       str(tmp_path), 7, fresh, fresh_opt, stack="h", indices=indices, pattern=kinds,
-      zero=model_lib.RESIDUAL_OUTPUTS)
+      zero=model_config.RESIDUAL_OUTPUTS)
   want = _by_hand(saved, fresh, indices, kinds, ("/attn/proj", "/fc_out"))
   assert jax.tree.structure(params) == jax.tree.structure(fresh)
   for module, bundle in want.items():
@@ -321,7 +322,7 @@ def test_restore_across_depth_mistakes(tmp_path, changes, error, message):
   tx = optax.adamw(1e-3)
   _save(tmp_path, saved, tx.init(saved))
   before = _listing(tmp_path)
-  kinds = tuple(model_lib.KINDS[c] for c in pattern) or None
+  kinds = tuple(model_config.KINDS[c] for c in pattern) or None
   with pytest.raises(error, match=message) as info:
     checkpoint.restore_across_depth(
         str(tmp_path), 7, fresh, changes.get("optimizer", tx).init(fresh),

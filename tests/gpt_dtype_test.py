@@ -39,7 +39,9 @@ import numpy as np
 import pytest
 
 from examples.gpt import data as data_lib
+from examples.gpt import decoding
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 import gpt_driver
 from subprocesses import wait
 
@@ -50,8 +52,8 @@ FAKE_PEAK = 1e12                   # --peak_flops of the bfloat16 run
 
 
 def tiny(dtype="float32", **kwargs):
-  return model_lib.GPTConfig(**{**dict(vocab_size=11, seq_len=16, num_layers=2,
-                                       num_heads=2, d_model=16, dtype=dtype), **kwargs})
+  return model_config.GPTConfig(**{**dict(vocab_size=11, seq_len=16, num_layers=2,
+                                          num_heads=2, d_model=16, dtype=dtype), **kwargs})
 
 
 def tokens(batch=2, length=17):
@@ -103,8 +105,8 @@ def test_bfloat16_policies_reach_the_stacked_blocks_and_are_cleared_after():
 def test_bfloat16_decode_keeps_its_cache_in_bfloat16():
   cfg = tiny("bfloat16")
   decode = hk.without_apply_rng(hk.transform(
-      lambda t, c, p: model_lib.decode(cfg, t, c, p)))
-  cache = model_lib.init_cache(cfg, 2)
+      lambda t, c, p: decoding.decode(cfg, t, c, p)))
+  cache = decoding.init_cache(cfg, 2)
   assert {a.dtype for a in jax.tree.leaves(cache)} == {BF16}
   params = jax.eval_shape(decode.init, jax.random.PRNGKey(0), tokens(length=1), cache, 0)
   logits, new = jax.eval_shape(decode.apply, params, tokens(length=1), cache, 3)
@@ -270,17 +272,17 @@ def test_sample_bfloat16_greedy_is_float32_greedy(runs):
   # between the two likeliest, and how far bfloat16 moves the logits.
   chars = gpt_driver.load_meta(workdir)["chars"]
   params = _params_from_npz(export)
-  cfg = model_lib.GPTConfig(**gpt_driver.load_meta(workdir)["config"])
+  cfg = model_config.GPTConfig(**gpt_driver.load_meta(workdir)["config"])
   logits_of = {dtype: jax.jit(hk.without_apply_rng(hk.transform(
       lambda t, dtype=dtype: model_lib.forward(
-          model_lib.GPTConfig(**{**cfg.__dict__, "dtype": dtype}), t)[0])).apply)
-               for dtype in model_lib.DTYPES}
+          model_config.GPTConfig(**{**cfg.__dict__, "dtype": dtype}), t)[0])).apply)
+               for dtype in model_config.DTYPES}
   ids, gaps, moved = [chars.index(c) for c in PROMPT], [], 0.0
   for _ in range(NUM_TOKENS):
     padded = np.zeros((1, cfg.seq_len), np.int32)   # causal: the padding is unseen
     padded[0, :len(ids)] = ids
     f32, bf16 = (np.asarray(logits_of[d](params, padded))[0, :len(ids)]
-                 for d in model_lib.DTYPES)
+                 for d in model_config.DTYPES)
     moved = max(moved, float(np.max(np.abs(f32 - bf16))))
     top = np.sort(f32[-1])[-2:]
     gaps.append(float(top[1] - top[0]))

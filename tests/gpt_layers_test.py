@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 import gpt_driver
 from subprocesses import wait
 
@@ -80,7 +81,7 @@ def test_muon_trains_with_per_layer_state(runs):
 
 def _initial_params(workdir):
   """The parameters train.py initialised: the same model, seed and batch shape."""
-  cfg = model_lib.GPTConfig(**gpt_driver.load_meta(workdir)["config"])
+  cfg = model_config.GPTConfig(**gpt_driver.load_meta(workdir)["config"])
   model = hk.transform(lambda t: model_lib.loss_fn(cfg, t))
   tokens = np.zeros((TINY["batch_size"], TINY["seq_len"] + 1), np.int32)
   return jax.jit(model.init)(jax.random.PRNGKey(0), tokens)   # jitted, as train.py does

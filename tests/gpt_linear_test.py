@@ -14,6 +14,7 @@ import pytest
 
 from examples.gpt import linear
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 
 def random(shape, seed):
@@ -88,8 +89,8 @@ TOKENS = jnp.zeros((2, 9), jnp.int32)
 
 def tiny_gpt_loss(bias: bool) -> hk.Transformed:
   """A 2-layer GPT's loss, with or without biases."""
-  cfg = model_lib.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
-                            d_model=8, bias=bias)
+  cfg = model_config.GPTConfig(vocab_size=11, seq_len=8, num_layers=2, num_heads=2,
+                               d_model=8, bias=bias)
   return hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from benchmarks import fast_compile
+from examples.gpt import decoding
 from examples.gpt import model as gpt
+from examples.gpt import model_config
 
 from haiku_helpers import random_like
 
@@ -22,14 +24,14 @@ from haiku_helpers import random_like
 def test_gpt_pattern_decoding_matches_forward(head_group):
   """Ring caches for local layers, full ones for global: the forward's logits,
   with each head in a row of its own and with both in one (a TPU's layout)."""
-  cfg = gpt.GPTConfig(vocab_size=11, seq_len=12, num_layers=5, num_heads=2,
-                      d_model=8, pattern="LLG", window=3, remat="full")
+  cfg = model_config.GPTConfig(vocab_size=11, seq_len=12, num_layers=5, num_heads=2,
+                               d_model=8, pattern="LLG", window=3, remat="full")
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
   fwd = hk.without_apply_rng(hk.transform(lambda t: gpt.forward(cfg, t)[0]))
-  dec = hk.without_apply_rng(hk.transform(lambda t, c, p: gpt.decode(cfg, t, c, p)))
+  dec = hk.without_apply_rng(hk.transform(lambda t, c, p: decoding.decode(cfg, t, c, p)))
   params = random_like(jax.eval_shape(fwd.init, jax.random.PRNGKey(0), tokens))
   assert {k.split("/")[1] for k in params if k.startswith("h/")} == {"local", "global"}
-  cache = gpt.init_cache(cfg, 2, head_group=head_group)
+  cache = decoding.init_cache(cfg, 2, head_group=head_group)
   rows, lanes = 2 // head_group, 4 * head_group
   assert jax.tree.map(jnp.shape, cache) == {
       "local": {"k": (4, 2, rows, 3, lanes), "v": (4, 2, rows, 3, lanes)},

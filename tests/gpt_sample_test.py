@@ -32,7 +32,9 @@ import pytest
 import gpt_driver
 from examples.gpt import checkpoint
 from examples.gpt import data as data_lib
+from examples.gpt import decoding
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 from examples.gpt import sample as sample_lib
 import stacktools as st
 
@@ -46,8 +48,8 @@ MODELS = {
 
 
 def config(name):
-  return model_lib.GPTConfig(**{**dict(vocab_size=len(CHARS), seq_len=16, num_layers=2,
-                                       num_heads=2, d_model=16), **MODELS[name]})
+  return model_config.GPTConfig(**{**dict(vocab_size=len(CHARS), seq_len=16, num_layers=2,
+                                          num_heads=2, d_model=16), **MODELS[name]})
 
 
 def random_params(cfg):
@@ -200,19 +202,19 @@ def test_a_prompt_longer_than_the_model_sees_is_said_and_continued_from_its_end(
   dataset = data_lib.CharDataset(chars=CHARS, train=np.zeros(0, np.int32),
                                  valid=np.zeros(0, np.int32))
   with pytest.raises(ValueError, match=r"temperature=nan: use a finite number >= 0"):
-    sample_lib.generate(cfg, params, dataset, "ab", 1, temperature=float("nan"))
+    decoding.generate(cfg, params, dataset, "ab", 1, temperature=float("nan"))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_decode_traces_under_the_training_policy(name):
   """train.py samples with its run's config, remat included: a policy that
   keeps named internals must find every name in the decode step too."""
-  policy = st.CheckpointPolicy(save_block_internals=list(model_lib.CHECKPOINT_NAMES))
+  policy = st.CheckpointPolicy(save_block_internals=list(model_config.CHECKPOINT_NAMES))
   cfg = dataclasses.replace(config(name), remat=policy)
   decode = hk.without_apply_rng(hk.transform(
-      lambda t, c, p: model_lib.decode(cfg, t, c, p)))
+      lambda t, c, p: decoding.decode(cfg, t, c, p)))
   params = random_params(config(name))
-  cache = model_lib.init_cache(cfg, 2)
+  cache = decoding.init_cache(cfg, 2)
   logits, new = jax.eval_shape(decode.apply, params, jnp.zeros((2, 1), jnp.int32), cache, 3)
   assert logits.shape == (2, 1, cfg.vocab_size)
   assert jax.tree.map(lambda a: a.shape, new) == jax.tree.map(lambda a: a.shape, cache)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from examples.gpt import distributed
-from examples.gpt import model as model_lib
+from examples.gpt import model_config
 from examples.gpt import step as step_lib
 
 
@@ -26,8 +26,8 @@ def _step_outputs(grad_accum, cfg, tokens, optimizer):
 
 @pytest.mark.parametrize("block", ["fold", "scan"])
 def test_grad_accum_gives_the_whole_batch_step(block):
-  cfg = model_lib.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2,
-                            d_model=16, block=block, remat="full")
+  cfg = model_config.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2,
+                               d_model=16, block=block, remat="full")
   tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 9), 0, 13)
   # SGD with a learning rate of 1: the parameters move by the (clipped)
   # gradients themselves. (Adam's first step divides a gradient by its own
@@ -84,7 +84,7 @@ def test_a_step_too_big_for_the_device_is_refused_in_one_line(monkeypatch, error
   def refuse(self, *args, **kwargs):
     raise jax.errors.JaxRuntimeError(error)
 
-  cfg = model_lib.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2, d_model=16)
+  cfg = model_config.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2, d_model=16)
   tokens = jnp.zeros((2, 9), jnp.int32)
   model = step_lib.transform(cfg)
   params = model.init(jax.random.PRNGKey(0), tokens)

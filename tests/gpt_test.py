@@ -53,7 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from examples.gpt import attention
+from examples.gpt import decoding
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 from examples.gpt import remat as remat_lib
 import background
 import gpt_driver
@@ -232,7 +235,7 @@ def bad_flag_cases(tmp: str, empty: str, sample_garbage: str):
       ("short_data", TRAIN, {"data_path": short},
        ["--data_path", "fewer than one batch"]),
       ("save_names", TRAIN, {"save_names": "attn_out,bogus"},
-       ["--save_names", ", ".join(model_lib.CHECKPOINT_NAMES)]),
+       ["--save_names", ", ".join(model_config.CHECKPOINT_NAMES)]),
       ("save_names_none", TRAIN, {"save_names": "attn_out", "remat": "none"},
        ["--save_names", "--remat"]),
       ("stop_after", TRAIN, {"stop_after": STEPS + 1}, ["--stop_after", "--steps"]),
@@ -821,8 +824,8 @@ def test_stacked_and_blockseq_give_the_same_losses(drivers):
 def tiny_loss(policy, batch: int = 4, seq_len: int = 16):
   """The tiny model's loss under ``policy`` as a function of the parameters,
   and zero parameters for it."""
-  cfg = model_lib.GPTConfig(vocab_size=19, seq_len=seq_len, num_layers=NUM_LAYERS,
-                            num_heads=2, d_model=16, remat=policy)
+  cfg = model_config.GPTConfig(vocab_size=19, seq_len=seq_len, num_layers=NUM_LAYERS,
+                               num_heads=2, d_model=16, remat=policy)
   loss = hk.without_apply_rng(hk.transform(lambda t: model_lib.loss_fn(cfg, t)[0]))
   tokens = jnp.zeros((batch, seq_len + 1), jnp.int32)
   params = jax.eval_shape(loss.init, jax.random.PRNGKey(0), tokens)
@@ -879,7 +882,7 @@ def test_default_save_names_recompute_no_projection():
   # recompute, and nothing more under none and save_all (which keep all).
   for remat in remat_lib.SAVES_NAMES:
     assert (remat_lib.checkpoint_policy(remat, None, None).save_block_internals
-            == model_lib.KEPT_MATMUL_OUTPUTS)
+            == model_config.KEPT_MATMUL_OUTPUTS)
   assert remat_lib.checkpoint_policy("none", None, None) == st.REMAT_ALIASES["none"]
   assert remat_lib.checkpoint_policy("save_all", None, None) == st.REMAT_ALIASES["save_all"]
   assert remat_lib.checkpoint_policy("full", [], None) == st.REMAT_ALIASES["full"]
@@ -891,7 +894,7 @@ def test_default_save_names_recompute_no_projection():
   # its output layer is read by nothing in the backward pass), and leaving
   # out any one kept name repeats at least one more.
   none = gradient_dots(st.REMAT_ALIASES["none"])
-  kept = list(model_lib.KEPT_MATMUL_OUTPUTS)
+  kept = list(model_config.KEPT_MATMUL_OUTPUTS)
   assert gradient_dots(remat_lib.checkpoint_policy("full", None, None)) == none + 1
   assert gradient_dots(remat_lib.checkpoint_policy("full", kept + ["attn_scores"], None)) == none
   assert gradient_dots(remat_lib.checkpoint_policy("full", [], None)) == none + 5
@@ -957,14 +960,14 @@ def test_sample_cli_end_to_end(runs, drivers):
 def test_kv_cache_decode_matches_forward(stack, head_group, block):
   """Prefill and token-by-token decoding give the forward pass's logits; with
   ``head_group=2`` (a TPU's layout) both heads share a row of the cache."""
-  cfg = model_lib.GPTConfig(vocab_size=11, seq_len=16, num_layers=NUM_LAYERS,
-                            num_heads=2, d_model=16, block=block, stack=stack)
+  cfg = model_config.GPTConfig(vocab_size=11, seq_len=16, num_layers=NUM_LAYERS,
+                               num_heads=2, d_model=16, block=block, stack=stack)
   batch, length, prompt = 2, 12, 5
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
   forward = hk.without_apply_rng(hk.transform(lambda t: model_lib.forward(cfg, t)))
   decode = hk.without_apply_rng(hk.transform(
-      lambda t, c, p: model_lib.decode(cfg, t, c, p)))
+      lambda t, c, p: decoding.decode(cfg, t, c, p)))
   # Any parameters will do (decode and forward share them): random ones, a
   # different draw for every layer; eval_shape spares compiling an init.
   shapes = jax.eval_shape(forward.init, jax.random.PRNGKey(0), tokens)
@@ -974,7 +977,7 @@ def test_kv_cache_decode_matches_forward(stack, head_group, block):
   @jax.jit  # One compile: the forward pass, the prefill and the decode steps.
   def forward_and_decode(params, tokens):
     expected, _ = forward.apply(params, tokens)
-    cache = model_lib.init_cache(cfg, batch, head_group=head_group)
+    cache = decoding.init_cache(cfg, batch, head_group=head_group)
     prefill, cache = decode.apply(params, tokens[:, :prompt], cache, 0)
 
     def one_token(cache, pos):
@@ -1001,18 +1004,18 @@ def test_kv_cache_packs_heads_into_a_tpus_lanes():
   """On a TPU, in bfloat16, a row of the cache holds as many heads as fill 128
   lanes (and divide the heads); elsewhere one."""
   def group(d_model, num_heads, dtype=jnp.bfloat16, backend="tpu"):
-    cfg = model_lib.GPTConfig(vocab_size=11, d_model=d_model, num_heads=num_heads)
-    return model_lib.cache_head_group(cfg, dtype, backend)
+    cfg = model_config.GPTConfig(vocab_size=11, d_model=d_model, num_heads=num_heads)
+    return attention.cache_head_group(cfg, dtype, backend)
 
   assert group(1024, 16) == group(768, 12) == 2          # head size 64
   assert group(1024, 8) == group(768, 16) == 1           # 128; 48 does not divide 128
   assert group(192, 6) == 2                              # 32: 4 would not divide 6 heads
   assert group(1024, 16, backend="cpu") == 1
   assert group(1024, 16, dtype=jnp.float32) == 1
-  cfg = model_lib.GPTConfig(vocab_size=11, d_model=16, num_heads=2)
-  assert model_lib.init_cache(cfg, 3)["k"].shape == (4, 3, 2, 128, 8)  # on this CPU
+  cfg = model_config.GPTConfig(vocab_size=11, d_model=16, num_heads=2)
+  assert decoding.init_cache(cfg, 3)["k"].shape == (4, 3, 2, 128, 8)  # on this CPU
   with pytest.raises(ValueError, match="head_group=3 must divide num_heads=2"):
-    model_lib.init_cache(cfg, 3, head_group=3)
+    decoding.init_cache(cfg, 3, head_group=3)
 
 
 # ---------------------------------------------------------------------------

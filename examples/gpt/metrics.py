@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from examples.gpt import files
-from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 #: One device's dense bfloat16 peak FLOP/s, by ``jax.Device.device_kind``.
 #: JAX names the TPU v5e "TPU v5 lite", the v5p "TPU v5" and the v6e "TPU v6
@@ -68,7 +68,7 @@ def run_peak_flops(per_device: Optional[float]) -> Optional[float]:
   return None if peak is None else peak * jax.device_count()
 
 
-def model_flops_per_token(cfg: model_lib.GPTConfig, num_params: int) -> float:
+def model_flops_per_token(cfg: model_config.GPTConfig, num_params: int) -> float:
   """Training FLOPs per token of the model: 6·N + 12·L·d·T.
 
   The estimate of PaLM's appendix B (and nanoGPT's ``estimate_mfu``): 6·N

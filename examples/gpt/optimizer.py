@@ -19,7 +19,7 @@ import jax
 import optax
 
 import stacktools as st
-from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 #: The optimizers by --optimizer name.
 OPTIMIZERS = ("adamw", "muon")
@@ -86,7 +86,7 @@ def check_layer_rules(freeze_layers: str, layer_lr_decay: float, num_layers: int
 
 
 def make_optimizer(config: OptimizerConfig, steps: int,
-                   cfg: model_lib.GPTConfig) -> optax.GradientTransformation:
+                   cfg: model_config.GPTConfig) -> optax.GradientTransformation:
   """AdamW (or Muon on the blocks' matrices and AdamW on the rest) with linear
   warmup and cosine decay (to a tenth), gradients clipped; the layer rules
   act on the block stack's layers.
@@ -130,7 +130,7 @@ def make_optimizer(config: OptimizerConfig, steps: int,
   # layers are separate leaves already.
   if cfg.stack == "scan" and (config.optimizer == "muon" or decay != 1 or frozen):
     tx = st.over_layers(
-        tx, stacked={"h": tuple(model_lib.KINDS[c] for c in cfg.pattern) or None},
+        tx, stacked={"h": tuple(model_config.KINDS[c] for c in cfg.pattern) or None},
         scale=(lambda i: decay ** (L - 1 - i)) if decay != 1 else None, frozen=frozen)
   parts.append(tx)
   return optax.chain(*parts)

@@ -19,7 +19,7 @@ import jax
 
 import stacktools as st
 from examples.gpt import files
-from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 #: The --remat aliases that recompute, so that --save_names can keep something.
 SAVES_NAMES = ("full", "nested", "offload")
@@ -51,7 +51,7 @@ def checkpoint_policy(remat: str, save_names: Optional[Sequence[str]],
     return st.per_depth(remat)
   policy = st.CheckpointPolicy.from_remat(remat)
   if save_names is None:
-    save_names = list(model_lib.KEPT_MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
+    save_names = list(model_config.KEPT_MATMUL_OUTPUTS) if remat in SAVES_NAMES else []
   if save_names:
     policy = dataclasses.replace(policy, save_block_internals=tuple(save_names))
   if nested_outer is not None:

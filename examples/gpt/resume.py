@@ -27,7 +27,7 @@ from stacktools import depth
 from examples.gpt import checkpoint
 from examples.gpt import data as data_lib
 from examples.gpt import distributed
-from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 #: The flags that say what the parameters mean: a --resume must give the
 #: checkpoint's values (its config records them under the same names).
@@ -61,7 +61,7 @@ class Start:
   mapped: bool = False   # --init_opt_state=mapped: go on from init_step
 
 
-def recorded_config(cfg: model_lib.GPTConfig) -> dict[str, Any]:
+def recorded_config(cfg: model_config.GPTConfig) -> dict[str, Any]:
   """The model's config as a checkpoint records it: the model's shape, not
   how its layers run."""
   return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
@@ -197,7 +197,7 @@ def check_corpus(start: Start, chars: str) -> None:
     check_chars(start.init_meta["chars"], chars, start.init_from, "--init_from")
 
 
-def check_model(start: Start, cfg: model_lib.GPTConfig,
+def check_model(start: Start, cfg: model_config.GPTConfig,
                 last_step: int) -> Optional[DepthMap]:
   """Raises unless the checkpoints ``start`` names fit this run's model.
 
@@ -214,7 +214,7 @@ def check_model(start: Start, cfg: model_lib.GPTConfig,
   return check_init_from(start, cfg, last_step)
 
 
-def check_model_flags(saved: dict[str, Any], cfg: model_lib.GPTConfig,
+def check_model_flags(saved: dict[str, Any], cfg: model_config.GPTConfig,
                       workdir: str, flag: str = "--resume", depth_too: bool = True) -> None:
   """Raises if a --resume run's MODEL_FLAGS differ from the checkpoint's
   (an --init_from run's, ``flag``, but --num_layers when not ``depth_too``).
@@ -331,11 +331,11 @@ def depth_indices(depth_map: Optional[str], old: int, new: int, period: int,
                      f"is less than its {old} blocks: to keep some, list them, e.g. "
                      f"--depth_map=take:{','.join(map(str, range(new)))}.")
   helper = {"repeat": depth.repeat, "stack": depth.tile, "zero_new": depth.insert_new}[depth_map]
-  zero = model_lib.RESIDUAL_OUTPUTS if depth_map == "zero_new" else ()
+  zero = model_config.RESIDUAL_OUTPUTS if depth_map == "zero_new" else ()
   return helper(old, new, period), zero
 
 
-def check_init_from(start: Start, cfg: model_lib.GPTConfig, last_step: int) -> DepthMap:
+def check_init_from(start: Start, cfg: model_config.GPTConfig, last_step: int) -> DepthMap:
   """Raises unless --init_from's checkpoint fits this run's flags.
 
   Args:
@@ -367,7 +367,7 @@ def check_init_from(start: Start, cfg: model_lib.GPTConfig, last_step: int) -> D
   return init_map
 
 
-def restore_init_from(start: Start, init_map: DepthMap, cfg: model_lib.GPTConfig,
+def restore_init_from(start: Start, init_map: DepthMap, cfg: model_config.GPTConfig,
                       params: Any, optimizer: Optional[optax.GradientTransformation],
                       shardings: tuple[Any, Any]) -> tuple[Any, Optional[Any]]:
   """--init_from's parameters (and, mapped, optimizer state) at this depth.
@@ -399,7 +399,7 @@ def restore_init_from(start: Start, init_map: DepthMap, cfg: model_lib.GPTConfig
   try:
     host_params, host_opt = checkpoint.restore_across_depth(
         start.init_from, start.init_step, distributed.to_host(params), fresh_opt, stack="h",
-        indices=indices, pattern=tuple(model_lib.KINDS[c] for c in cfg.pattern) or None,
+        indices=indices, pattern=tuple(model_config.KINDS[c] for c in cfg.pattern) or None,
         zero=zero)
   except checkpoint.CheckpointError as e:
     raise StartError(f"--init_from={start.init_from!r}: {e}") from None
@@ -413,7 +413,7 @@ def restore_init_from(start: Start, init_map: DepthMap, cfg: model_lib.GPTConfig
           distributed.put_tree(host_opt, opt_shardings) if mapped else None)
 
 
-def initial_state(start: Start, init_map: Optional[DepthMap], cfg: model_lib.GPTConfig,
+def initial_state(start: Start, init_map: Optional[DepthMap], cfg: model_config.GPTConfig,
                   init_params: Callable[[], Any], optimizer: optax.GradientTransformation,
                   recorded: dict[str, Any], sampler: data_lib.BatchSampler,
                   shapes: tuple[Any, Any], shardings: tuple[Any, Any]

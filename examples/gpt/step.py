@@ -23,9 +23,10 @@ import optax
 
 from examples.gpt import distributed
 from examples.gpt import model as model_lib
+from examples.gpt import model_config
 
 
-def transform(cfg: model_lib.GPTConfig) -> hk.Transformed:
+def transform(cfg: model_config.GPTConfig) -> hk.Transformed:
   """The model's loss: ``(params, tokens, training=False) -> (loss, stats)``.
 
   While ``training``, ``cfg.layer_drop`` skips blocks at random, with a key
@@ -50,7 +51,7 @@ def transform(cfg: model_lib.GPTConfig) -> hk.Transformed:
   return hk.without_apply_rng(hk.transform(loss))
 
 
-def trace_model(cfg: model_lib.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Array,
+def trace_model(cfg: model_config.GPTConfig, mesh: jax.sharding.Mesh, key: jax.Array,
                 tokens: np.ndarray) -> Any:
   """Traces init and loss once, abstractly, under the mesh; returns the
   parameters' shapes.

@@ -51,14 +51,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import stacktools as st  # pylint: disable=g-import-not-at-top
 from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import decoding  # pylint: disable=g-import-not-at-top
 from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
-from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import model_config  # pylint: disable=g-import-not-at-top
 from examples.gpt import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import remat as remat_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import resume as resume_lib  # pylint: disable=g-import-not-at-top
-from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import step as step_lib  # pylint: disable=g-import-not-at-top
 
 #: --window when --pattern has L layers and no --window is given.
@@ -79,8 +79,8 @@ _REMAT_CANDIDATES = flags.DEFINE_spaceseplist(
     "to plan faster; default: every alias, every tagged name and per-depth mixes.")
 _SAVE_NAMES = flags.DEFINE_list(
     "save_names", None, "Checkpoint names to keep on top of --remat full, "
-    f"nested or offload (of {', '.join(model_lib.CHECKPOINT_NAMES)}). Default: "
-    f"{','.join(model_lib.KEPT_MATMUL_OUTPUTS)}, the outputs of every matmul "
+    f"nested or offload (of {', '.join(model_config.CHECKPOINT_NAMES)}). Default: "
+    f"{','.join(model_config.KEPT_MATMUL_OUTPUTS)}, the outputs of every matmul "
     "but the attention scores, so the backward pass recomputes no projection; "
     "--save_names= (empty) recomputes everything but the carries.")
 _NESTED_OUTER = flags.DEFINE_integer(
@@ -105,13 +105,13 @@ _D_MODEL = flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_
 _BIAS = flags.DEFINE_bool("bias", True, "Biases in the linear layers and layer "
                           "norms (--nobias: none, as nanoGPT's default).")
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", model_lib.DTYPES, "Compute dtype. float32 is right on a "
+    "dtype", "float32", model_config.DTYPES, "Compute dtype. float32 is right on a "
     "CPU (its bfloat16 matmuls are no faster); bfloat16 on an accelerator (TPU or "
     "GPU): mixed precision through Haiku's jmp policies, with the parameters, "
     "the optimizer state, the layer-norm statistics, the attention softmax and "
     "the loss in float32. Not part of the checkpoint: a run resumes under either.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention", "auto", model_lib.ATTENTIONS, "How the blocks attend while "
+    "attention", "auto", model_config.ATTENTIONS, "How the blocks attend while "
     "training: xla (XLA's attention), splash (the Pallas TPU kernel, which never "
     "forms the [T, T] scores; 2.4x faster at T=1024 on a TPU v5e) or auto (splash "
     "on a single TPU chip for --block=fold when --seq_len is a multiple of 128, "
@@ -249,8 +249,8 @@ flags.register_multi_flags_validator(
     ["d_model", "num_heads"], lambda f: f["d_model"] % f["num_heads"] == 0,
     message="--d_model must be divisible by --num_heads.")
 flags.register_validator(
-    "save_names", lambda names: set(names or ()) <= set(model_lib.CHECKPOINT_NAMES),
-    message=f"--save_names accepts {', '.join(model_lib.CHECKPOINT_NAMES)}.")
+    "save_names", lambda names: set(names or ()) <= set(model_config.CHECKPOINT_NAMES),
+    message=f"--save_names accepts {', '.join(model_config.CHECKPOINT_NAMES)}.")
 _validate(["remat", "memory_budget", "remat_candidates"], remat_lib.check_remat_flags)
 _validate(["save_names", "remat"], remat_lib.check_save_names)
 flags.register_validator(
@@ -318,7 +318,7 @@ class Run:
   metrics_path: str
   is_chief: bool
   dataset: data_lib.CharDataset
-  cfg: model_lib.GPTConfig
+  cfg: model_config.GPTConfig
   batches: data_lib.Prefetched  # the training batches, on the devices a step ahead
   compiled_step: Any  # params, opt_state, batch -> params, opt_state, loss, stats
   evaluate: Callable[[Any], float]  # params -> mean validation loss
@@ -387,7 +387,7 @@ def _load_corpus(start: resume_lib.Start) -> data_lib.CharDataset:
 
 
 def _build_model(vocab_size: int, pipeline: Optional[st.Pipeline], mesh: jax.sharding.Mesh,
-                 init_key: jax.Array, tokens: np.ndarray) -> tuple[model_lib.GPTConfig, Any]:
+                 init_key: jax.Array, tokens: np.ndarray) -> tuple[model_config.GPTConfig, Any]:
   """The model the flags describe, traced once: its config and parameter shapes.
 
   What stacktools refuses in it (per-depth counts or a nested outer size
@@ -395,7 +395,7 @@ def _build_model(vocab_size: int, pipeline: Optional[st.Pipeline], mesh: jax.sha
   here, in one line, before anything is compiled or written.
   """
   try:
-    cfg = model_lib.GPTConfig(
+    cfg = model_config.GPTConfig(
         vocab_size=vocab_size, seq_len=_SEQ_LEN.value,
         num_layers=_NUM_LAYERS.value, num_heads=_NUM_HEADS.value,
         d_model=_D_MODEL.value, block=_BLOCK.value, stack=_STACK.value,
@@ -410,7 +410,7 @@ def _build_model(vocab_size: int, pipeline: Optional[st.Pipeline], mesh: jax.sha
     sys.exit(f"error: {e}")
 
 
-def _check_start(start: resume_lib.Start, cfg: model_lib.GPTConfig,
+def _check_start(start: resume_lib.Start, cfg: model_config.GPTConfig,
                  last_step: int) -> Optional[resume_lib.DepthMap]:
   """--init_from's depth map (None without it); exits with one line when the
   checkpoints do not fit this run's model flags."""
@@ -421,7 +421,7 @@ def _check_start(start: resume_lib.Start, cfg: model_lib.GPTConfig,
 
 
 def _initial_state(start: resume_lib.Start, init_map: Optional[resume_lib.DepthMap],
-                   cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
+                   cfg: model_config.GPTConfig, optimizer: optax.GradientTransformation,
                    init_key: jax.Array, sampler: data_lib.BatchSampler,
                    mesh: jax.sharding.Mesh, param_shapes: Any
                    ) -> tuple[Any, Any, int, tuple[Any, Any]]:
@@ -450,7 +450,7 @@ def _initial_state(start: resume_lib.Start, init_map: Optional[resume_lib.DepthM
 
 
 def _log_layout(params: Any, opt_state: Any, mesh: jax.sharding.Mesh,
-                cfg: model_lib.GPTConfig) -> None:
+                cfg: model_config.GPTConfig) -> None:
   """Logs the parameter count, their bytes per device and the pipeline's layout."""
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   logging.info("Parameters: %d; mesh %s over %d devices in %d processes; "
@@ -469,9 +469,9 @@ def _log_layout(params: Any, opt_state: Any, mesh: jax.sharding.Mesh,
                  100 * pipeline.table(stages).bubble)
 
 
-def _plan_remat(workdir: str, cfg: model_lib.GPTConfig,
+def _plan_remat(workdir: str, cfg: model_config.GPTConfig,
                 optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
-                batch: jax.Array, is_chief: bool) -> model_lib.GPTConfig:
+                batch: jax.Array, is_chief: bool) -> model_config.GPTConfig:
   """``cfg`` with --remat=auto's plan in place of "auto" (see remat.plan).
 
   Before the checkpoint folder is made: a --memory_budget that stacktools
@@ -503,7 +503,7 @@ def _open_checkpoints(workdir: str) -> checkpoint.Manager:
   return checkpoints
 
 
-def _compile(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
+def _compile(cfg: model_config.GPTConfig, optimizer: optax.GradientTransformation,
              mesh: jax.sharding.Mesh, params: Any, opt_state: Any,
              batch_shape: tuple[int, ...], shardings: tuple[Any, Any, Any]) -> Any:
   """The train step compiled for the mesh; logs its temp memory."""
@@ -522,7 +522,7 @@ def _compile(cfg: model_lib.GPTConfig, optimizer: optax.GradientTransformation,
 
 
 def _saver(checkpoints: checkpoint.Manager, batches: data_lib.Prefetched,
-           cfg: model_lib.GPTConfig, chars: str) -> Callable[[int, Any, Any], None]:
+           cfg: model_config.GPTConfig, chars: str) -> Callable[[int, Any, Any], None]:
   """``Run.save_checkpoint``: the arrays, with what a --resume checks them by."""
 
   def save_checkpoint(step: int, params: Any, opt_state: Any) -> None:
@@ -684,9 +684,9 @@ def finish(run: Run, params: Any) -> None:
     if prompt != _SAMPLE_PROMPT.value:
       logging.warning("--sample_prompt has characters outside the corpus; "
                       "sampling from %r instead.", prompt or dataset.chars[0])
-    sample_lib.warn_if_cut(prompt, run.cfg.seq_len, "--sample_prompt")
-    (text,) = sample_lib.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
-                                  _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
+    decoding.warn_if_cut(prompt, run.cfg.seq_len, "--sample_prompt")
+    (text,) = decoding.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
+                                _SAMPLE_TOKENS.value, temperature=0.8, seed=_SEED.value)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
 
 
