@@ -5,7 +5,7 @@ The GPT example's train step at ``train.py``'s default size (4 layers, width
 clipping) on one device, run for ``--steps`` steps in one process. Every step
 is timed on its own (from its dispatch until its outputs are ready). Every
 ``--every`` steps the step is followed by a save of the parameters and the
-optimizer state through ``examples/gpt/checkpoint.Manager``, the saver that
+optimizer state through ``examples/gpt/saving.Manager``, the saver that
 ``train.py`` uses: the saves alternate between an asynchronous manager (as
 ``train.py`` saves: ``save()`` waits for the arrays to be copied off the
 devices, then a background thread writes them while training goes on) and a
@@ -47,9 +47,9 @@ import optax
 from benchmarks import fast_compile
 from benchmarks import harness
 from benchmarks import instruments
-from examples.gpt import checkpoint
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
+from examples.gpt import saving
 # pylint: enable=wrong-import-position
 
 NAME = "checkpoint_cost"
@@ -199,8 +199,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     params, opt_state, loss = instruments.block(train_step(params, opt_state, batch))
   num_params = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
   root = str(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="checkpoint_cost_")
-  managers = {kind: checkpoint.Manager(os.path.join(root, kind), keep=2,
-                                       asynchronous=kind == "async") for kind in KINDS}
+  managers = {kind: saving.Manager(os.path.join(root, kind), keep=2,
+                                   asynchronous=kind == "async") for kind in KINDS}
   seconds, saves, in_flight = [], {}, {kind: [] for kind in KINDS}
   pending = None  # (kind, step index) of the last asynchronous save
   meta = {"note": "benchmarks/checkpoint_cost.py"}
@@ -221,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         pending = None
     for manager in managers.values():
       manager.close()
-    checkpoint_bytes = folder_bytes(os.path.join(root, "async", checkpoint.FOLDER,
+    checkpoint_bytes = folder_bytes(os.path.join(root, "async", saving.FOLDER,
                                                  str(max(s + 1 for s, k in saves.items()
                                                          if k == "async"))))
   finally:
@@ -242,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                  "batch_size": args.batch_size, "num_params": num_params,
                  "warmup": args.warmup, "steps": args.steps, "every": args.every,
                  "window": args.window, "devices": jax.device_count(),
-                 "saver": "examples/gpt/checkpoint.Manager (Orbax CheckpointManager)"},
+                 "saver": "examples/gpt/saving.Manager (Orbax CheckpointManager)"},
       "checkpoint_bytes": checkpoint_bytes,
       "step_seconds": seconds,
       "saves": {str(i): k for i, k in saves.items()},

@@ -11,7 +11,7 @@ and corpus (this Python's standard-library sources):
      zero=model.RESIDUAL_OUTPUTS)``: a fresh block after each trained one,
      its residual outputs zero, so the grown model computes what the 2-layer
      one did; the optimizer state is mapped the same way
-     (``examples/gpt/checkpoint.py``'s ``map_opt_state``: the trained
+     (``examples/gpt/restoring.py``'s ``map_opt_state``: the trained
      layers' AdamW moments, zeros for the fresh ones, the step count going
      on), and it trains on as 4 layers until it has spent the compute of
      ``scratch``'s steps.
@@ -52,10 +52,11 @@ import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples.gpt import checkpoint  # pylint: disable=wrong-import-position
 from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
 from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
 from examples.gpt import model_config  # pylint: disable=wrong-import-position
+from examples.gpt import restoring  # pylint: disable=wrong-import-position
+from examples.gpt import saving  # pylint: disable=wrong-import-position
 import stacktools as st  # pylint: disable=wrong-import-position
 from stacktools import depth  # pylint: disable=wrong-import-position
 
@@ -139,9 +140,9 @@ class Arm:
       else:   # grow: the trained layers, a zeroed fresh one after each
         before = self.evaluate(model, params)
         indices = depth.insert_new(self.phases[0][0], num_layers)
-        opt_state = checkpoint.map_opt_state(checkpoint.flatten(jax.device_get(opt_state)),
-                                             jax.device_get(tx.init(fresh)), stack="h",
-                                             indices=indices)
+        opt_state = restoring.map_opt_state(saving.flatten(jax.device_get(opt_state)),
+                                            jax.device_get(tx.init(fresh)), stack="h",
+                                            indices=indices)
         params = st.take_layers(params, "h", indices, new=fresh,
                                 zero=model_config.RESIDUAL_OUTPUTS)
         after = self.evaluate(new_model, params)

@@ -19,7 +19,7 @@ What is checked, against numbers:
 * rotation: a run keeps exactly the latest ``--keep_checkpoints`` steps;
 * a kill during an asynchronous save loses nothing beyond the steps since
   the last committed checkpoint: the killed workdir holds step 5 and an
-  unfinished step-10 folder, which :func:`checkpoint.latest` ignores;
+  unfinished step-10 folder, which :func:`saving.latest` ignores;
   ``--resume`` starts from step 5, removes the unfinished folder, and ends
   bit for bit where the uninterrupted run ends (parameters, optimizer state,
   the loss of every step);
@@ -43,7 +43,8 @@ import numpy as np
 import pytest
 
 import gpt_driver as gpt
-from examples.gpt import checkpoint
+from examples.gpt import restoring
+from examples.gpt import saving
 from subprocesses import output, start
 from subprocesses import wait as wait_ok
 
@@ -173,9 +174,9 @@ def assert_same_arrays(actual: dict, expected: dict) -> None:
 def test_keep_checkpoints_rotates_old_steps(runs):
   wait_ok(runs.straight)
   workdir = runs.workdir("straight")
-  assert checkpoint.committed_steps(workdir) == [STEPS - EVERY, STEPS]
-  assert sorted(os.listdir(checkpoint.folder(workdir))) == [str(STEPS - EVERY), str(STEPS)]
-  step, meta = checkpoint.latest(workdir)
+  assert saving.committed_steps(workdir) == [STEPS - EVERY, STEPS]
+  assert sorted(os.listdir(saving.folder(workdir))) == [str(STEPS - EVERY), str(STEPS)]
+  step, meta = saving.latest(workdir)
   assert step == meta["step"] == STEPS
   assert set(meta) == {"step", "sampler_state", "config", "chars", "optimizer"}
   assert meta["config"]["num_layers"] == gpt.NUM_LAYERS
@@ -189,26 +190,26 @@ def test_kill_during_an_async_save_loses_only_the_steps_since_the_last_commit(ru
   # Training had gone on past step 10 while its save was under way.
   assert at_kill["last_step"] >= KILL_AT + 2, at_kill
   snapshot = at_kill["snapshot"]
-  assert checkpoint.committed_steps(snapshot) == [EVERY]
-  assert checkpoint.unfinished(snapshot) == [f"{KILL_AT}{checkpoint.UNFINISHED_SUFFIX}"]
-  assert checkpoint.latest(snapshot)[0] == EVERY
+  assert saving.committed_steps(snapshot) == [EVERY]
+  assert saving.unfinished(snapshot) == [f"{KILL_AT}{saving.UNFINISHED_SUFFIX}"]
+  assert saving.latest(snapshot)[0] == EVERY
   # The resume starts from the last committed step, clears the half-written
   # one, and ends bit for bit where the uninterrupted run ends.
   assert f"Resumed from step {EVERY}." in resumed_log
   assert ("Removed the unfinished checkpoint(s) of an interrupted save from "
-          f"{checkpoint.folder(runs.workdir('killed'))}: {KILL_AT}"
-          f"{checkpoint.UNFINISHED_SUFFIX}") in resumed_log
+          f"{saving.folder(runs.workdir('killed'))}: {KILL_AT}"
+          f"{saving.UNFINISHED_SUFFIX}") in resumed_log
   killed, straight = runs.workdir("killed"), runs.workdir("straight")
   wait_ok(runs.straight)
-  assert checkpoint.committed_steps(killed) == [STEPS - EVERY, STEPS]
-  assert checkpoint.unfinished(killed) == []
+  assert saving.committed_steps(killed) == [STEPS - EVERY, STEPS]
+  assert saving.unfinished(killed) == []
   for item in ("params", "opt_state"):
-    assert_same_arrays(checkpoint.read_arrays(killed, item=item),
-                       checkpoint.read_arrays(straight, item=item))
+    assert_same_arrays(restoring.read_arrays(killed, item=item),
+                       restoring.read_arrays(straight, item=item))
   assert [r["step"] for r in gpt.read_metrics(killed)] == list(range(1, STEPS + 1))
   np.testing.assert_array_equal(gpt.train_losses(killed), gpt.train_losses(straight))
   assert gpt.read_metrics(killed)[-1]["valid_loss"] == gpt.read_metrics(straight)[-1]["valid_loss"]
-  assert checkpoint.latest(killed)[1]["sampler_state"] == checkpoint.latest(straight)[1][
+  assert saving.latest(killed)[1]["sampler_state"] == saving.latest(straight)[1][
       "sampler_state"]
 
 
@@ -218,8 +219,8 @@ def test_export_npz_holds_the_checkpoint_parameters(runs):
   with np.load(runs.export, allow_pickle=False) as data:
     exported = {k: data[k] for k in data.files}
   assert any(k.startswith("h/block/") for k in exported), sorted(exported)
-  assert_same_arrays(exported, checkpoint.read_arrays(runs.workdir("straight")))
-  assert not os.listdir(checkpoint.folder(runs.workdir("straight"))) == []
+  assert_same_arrays(exported, restoring.read_arrays(runs.workdir("straight")))
+  assert not os.listdir(saving.folder(runs.workdir("straight"))) == []
   assert sorted(os.listdir(os.path.dirname(runs.export))) == ["straight.npz"]  # no temp file
 
 

@@ -479,12 +479,12 @@ def test_restore_onto_another_mesh(runs):
   one_log = runs.one_device_restore_log()
   assert "mesh {'data': 1, 'fsdp': 8} over 8 devices in 1 processes" in fsdp8_log
   assert "mesh {'data': 1, 'fsdp': 1} over 1 devices in 1 processes" in one_log
-  from examples.gpt import checkpoint  # pylint: disable=import-outside-toplevel
-  saved = checkpoint.load_npz(runs.export(SAVED_ON))
+  from examples.gpt import saving  # pylint: disable=import-outside-toplevel
+  saved = saving.load_npz(runs.export(SAVED_ON))
   assert len(saved) > 5 and any(k.startswith("h/") for k in saved), sorted(saved)
   for name, log in (("fsdp:8 restore", fsdp8_log), ("one device restore", one_log)):
     assert f"Resumed from step {STEPS}." in log, name
-    assert_trees_equal(checkpoint.load_npz(runs.export(name)), saved)
+    assert_trees_equal(saving.load_npz(runs.export(name)), saved)
   # On fsdp:8 the restored parameters really are split 8 ways.
   params_kib, _ = kib_per_device(fsdp8_log)
   total_kib = sum(a.nbytes for a in saved.values()) / 1024

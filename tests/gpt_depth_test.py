@@ -1,5 +1,5 @@
 """Tests for checkpoints across depth: --init_from, --depth_map and
---init_opt_state in the GPT example, and checkpoint.restore_across_depth.
+--init_opt_state in the GPT example, and restoring.restore_across_depth.
 
 Training runs go through one driver subprocess (``gpt_driver``). What is
 checked:
@@ -12,7 +12,7 @@ checked:
 * ``--init_from`` with ``--freeze_layers=0:1 --layer_lr_decay=0.5`` (fresh
   optimizer state, same depth) starts from the checkpoint's parameters:
   block 0 ends bit-identical to the checkpoint's, block 1 trains;
-* ``checkpoint.restore_across_depth`` equals the mapping done by hand on
+* ``restoring.restore_across_depth`` equals the mapping done by hand on
   ``st.unstack_params`` (parameters, and AdamW and ``st.over_layers`` state
   row by row), plain and mixed-layer;
 * an index out of range, an edit that breaks the pattern, a stack name that
@@ -32,9 +32,10 @@ import pytest
 
 import stacktools as st
 from stacktools import depth
-from examples.gpt import checkpoint
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
+from examples.gpt import restoring
+from examples.gpt import saving
 import gpt_driver
 from subprocesses import wait
 
@@ -247,7 +248,7 @@ def _by_hand(saved, fresh, indices, pattern, zeroed):
 
 
 def _save(tmp_path, params, opt_state):
-  manager = checkpoint.Manager(str(tmp_path), keep=1, asynchronous=False)
+  manager = saving.Manager(str(tmp_path), keep=1, asynchronous=False)
   manager.save(7, params, opt_state, {"config": {}})
   manager.close()
 
@@ -276,7 +277,7 @@ def test_restore_across_depth_equals_the_mapping_by_hand(tmp_path, case):
   fresh_opt = jax.device_get(tx.init(fresh))
   _save(tmp_path, saved, saved_opt)
   before = _listing(tmp_path)
-  params, opt_state = checkpoint.restore_across_depth(
+  params, opt_state = restoring.restore_across_depth(
       str(tmp_path), 7, fresh, fresh_opt, stack="h", indices=indices, pattern=kinds,
       zero=model_config.RESIDUAL_OUTPUTS)
   want = _by_hand(saved, fresh, indices, kinds, ("/attn/proj", "/fc_out"))
@@ -286,8 +287,8 @@ def test_restore_across_depth_equals_the_mapping_by_hand(tmp_path, case):
       np.testing.assert_array_equal(params[module][name], value, err_msg=f"{module}/{name}")
   # The optimizer state, leaf by leaf: a leaf with the stack's rows is mapped
   # row by row (fresh rows from the fresh state), every other leaf is saved.
-  got = checkpoint.flatten(opt_state)
-  saved_flat, fresh_flat = checkpoint.flatten(saved_opt), checkpoint.flatten(fresh_opt)
+  got = saving.flatten(opt_state)
+  saved_flat, fresh_flat = saving.flatten(saved_opt), saving.flatten(fresh_opt)
   rows = 0
   for key, value in fresh_flat.items():
     if "h/" not in key:
@@ -311,7 +312,7 @@ def test_restore_across_depth_equals_the_mapping_by_hand(tmp_path, case):
     (dict(indices=[0, 2, None, None]), ValueError, r"indices\[1\]=2 is out of range"),
     (dict(indices=[1, 0, None, None], pattern="LG"), ValueError,
      r"puts layer 1, of kind 'global', at position 0, which pattern \('local', 'global'\)"),
-    (dict(optimizer=optax.sgd(0.1, momentum=0.9)), checkpoint.CheckpointError,
+    (dict(optimizer=optax.sgd(0.1, momentum=0.9)), saving.CheckpointError,
      "optimizer state"),
     (dict(fresh_pattern="LG"), ValueError, "h/block/attn/proj is in params but not in new="),
 ])
@@ -324,7 +325,7 @@ def test_restore_across_depth_mistakes(tmp_path, changes, error, message):
   before = _listing(tmp_path)
   kinds = tuple(model_config.KINDS[c] for c in pattern) or None
   with pytest.raises(error, match=message) as info:
-    checkpoint.restore_across_depth(
+    restoring.restore_across_depth(
         str(tmp_path), 7, fresh, changes.get("optimizer", tx).init(fresh),
         stack=changes.get("stack", "h"), indices=changes.get("indices", depth.insert_new(2, 4)),
         pattern=kinds)

@@ -329,15 +329,15 @@ def train_losses(workdir: str) -> np.ndarray:
 def load_checkpoint(workdir: str) -> dict[str, np.ndarray]:
   """The latest checkpoint's arrays on the host, read through Orbax whatever
   mesh saved them: ``{"params/h/block/fc/w": ..., "opt_state/...": ...}``."""
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from examples.gpt import restoring  # pylint: disable=g-import-not-at-top
   return {f"{item}/{key}": value for item in ("params", "opt_state")
-          for key, value in checkpoint.read_arrays(workdir, item=item).items()}
+          for key, value in restoring.read_arrays(workdir, item=item).items()}
 
 
 def load_meta(workdir: str) -> dict:
   """The latest checkpoint's metadata (step, sampler state, config, chars)."""
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
-  return checkpoint.latest(workdir)[1]
+  from examples.gpt import saving  # pylint: disable=g-import-not-at-top
+  return saving.latest(workdir)[1]
 
 
 def listing(path: str) -> set[str]:

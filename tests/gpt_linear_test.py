@@ -110,12 +110,13 @@ def test_gpt_without_bias_has_no_bias_or_offset():
 
 
 def test_resuming_across_bias_says_which_flag_differs():
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from examples.gpt import restoring  # pylint: disable=g-import-not-at-top
+  from examples.gpt import saving  # pylint: disable=g-import-not-at-top
 
   def shapes(bias):
     return jax.eval_shape(tiny_gpt_loss(bias).init, jax.random.PRNGKey(0), TOKENS)
 
   for saved, wanted in ((True, False), (False, True)):
-    with pytest.raises(checkpoint.CheckpointError, match="--bias"):
-      checkpoint.check_matches("ckpt/100", shapes(saved), shapes(wanted))
-  checkpoint.check_matches("ckpt/100", shapes(False), shapes(False))
+    with pytest.raises(saving.CheckpointError, match="--bias"):
+      restoring.check_matches("ckpt/100", shapes(saved), shapes(wanted))
+  restoring.check_matches("ckpt/100", shapes(False), shapes(False))

@@ -30,12 +30,12 @@ import numpy as np
 import pytest
 
 import gpt_driver
-from examples.gpt import checkpoint
 from examples.gpt import data as data_lib
 from examples.gpt import decoding
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
 from examples.gpt import sample as sample_lib
+from examples.gpt import saving
 import stacktools as st
 
 CHARS = "abcdefgh "
@@ -101,7 +101,7 @@ def workdirs(tmp_path_factory):
     cfg = config(name)
     params = random_params(cfg)
     workdir = str(tmp_path_factory.mktemp(name))
-    manager = checkpoint.Manager(workdir, keep=1, asynchronous=False)
+    manager = saving.Manager(workdir, keep=1, asynchronous=False)
     meta = {"sampler_state": "{}", "chars": CHARS,
             "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                        if f.name not in ("remat", "pipeline")}}

@@ -916,8 +916,8 @@ def test_resume_is_bitwise_identical(drivers):
     assert straight[key].dtype == resumed[key].dtype, key
     np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
   # The stopped run saved step 10, the resumed one step 20, beside it.
-  from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
-  assert checkpoint.committed_steps(drivers.workdir("resume")) == [10, STEPS]
+  from examples.gpt import saving  # pylint: disable=g-import-not-at-top
+  assert saving.committed_steps(drivers.workdir("resume")) == [10, STEPS]
   assert load_meta(drivers.workdir("resume"))["step"] == STEPS
   # The same batches and losses, step by step (metrics kept across the resume).
   np.testing.assert_array_equal(train_losses(drivers.workdir("resume")),

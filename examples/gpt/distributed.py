@@ -265,7 +265,7 @@ def to_host(tree: Any) -> Any:
 
   A collective in a multi-process run: every process must call it, and every
   process then holds every array whole. For what must be whole on one host
-  (sampling, ``--export_npz``); checkpoints never gather (checkpoint.py).
+  (sampling, ``--export_npz``); checkpoints never gather (saving.py).
   """
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

@@ -1,16 +1,16 @@
 """What a train.py run starts from: its own checkpoint (--resume) or another run's (--init_from).
 
-A checkpoint (see checkpoint.py) records beside the arrays the model flags
-that gave the parameters their meaning (:func:`recorded_config`), the
-optimizer flags that shaped the optimizer state, and the corpus's
-characters. Before anything is written, a run that starts from one checks
+A checkpoint (a saved step of a run, see saving.py) records beside the
+arrays the model flags that gave the parameters their meaning
+(:func:`recorded_config`), the optimizer flags that shaped the optimizer
+state, and the corpus's characters. Before anything is written, a run that starts from one checks
 all three against its own flags and corpus: a checkpoint of another model,
 optimizer or text could otherwise load and train on silently. An
 ``--init_from`` run may have another depth: ``--depth_map`` says which of
-the checkpoint's blocks go where (:func:`depth_indices`).
+the checkpoint's blocks go where (``init_from.depth_indices``).
 
 What cannot start raises :class:`StartError` with one line that names the
-flag (the flag checks and :func:`depth_indices`, a ValueError); train.py
+flag (the flag checks and ``init_from.depth_indices``, a ValueError); train.py
 prints it and exits.
 """
 
@@ -23,24 +23,21 @@ from absl import logging
 import jax
 import optax
 
-from stacktools import depth
-from examples.gpt import checkpoint
 from examples.gpt import data as data_lib
 from examples.gpt import distributed
+from examples.gpt import init_from as init_from_lib
 from examples.gpt import model_config
+from examples.gpt import restoring
+from examples.gpt import saving
+from examples.gpt.init_from import DepthMap
 
 #: The flags that say what the parameters mean: a --resume must give the
 #: checkpoint's values (its config records them under the same names).
 MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "window",
                "stack", "bias")
-#: The --depth_map values that name a scheme (the others list blocks: take:...).
-DEPTH_MAPS = ("repeat", "stack", "zero_new")
 #: The config fields that say how the layers run, not what they are: not
 #: recorded, so a checkpoint resumes under any of them.
 _HOW_LAYERS_RUN = ("remat", "pipeline", "layer_drop", "dtype", "attention")
-
-#: ``st.take_layers``' ``indices`` and ``zero``: which block goes where.
-DepthMap = tuple[list[Optional[int]], tuple[str, ...]]
 
 
 class StartError(Exception):
@@ -66,32 +63,6 @@ def recorded_config(cfg: model_config.GPTConfig) -> dict[str, Any]:
   how its layers run."""
   return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
           if f.name not in _HOW_LAYERS_RUN}
-
-
-def check_init_flags(init_from: Optional[str], depth_map: Optional[str],
-                     init_opt_state: str, resume: bool) -> None:
-  """Checks the --init_from flags together, before anything is read.
-
-  Raises:
-    ValueError: one line naming the flags.
-  """
-  if init_from is None:
-    given = (["depth_map"] if depth_map is not None else []) + (
-        ["init_opt_state"] if init_opt_state != "fresh" else [])
-    if given:
-      raise ValueError(f"--{' and --'.join(given)} {'need' if len(given) > 1 else 'needs'} "
-                       "--init_from=DIR, the run to start from.")
-    return
-  if resume:
-    raise ValueError(
-        "--init_from starts a new run from another run's checkpoint and --resume "
-        "continues this --workdir's: pass one of them.")
-  if depth_map is not None and depth_map not in DEPTH_MAPS:
-    body = depth_map[len("take:"):] if depth_map.startswith("take:") else None
-    if body is None or not all(p == "new" or p.isdigit() for p in body.split(",")):
-      raise ValueError(
-          f"--depth_map={depth_map!r} must be one of {', '.join(DEPTH_MAPS)} or take:I,J,... "
-          "(block indices of --init_from's run, 'new' for a fresh block), e.g. take:0,1,2,5.")
 
 
 def find(workdir: str, resume: bool, init_from: Optional[str] = None,
@@ -126,7 +97,7 @@ def find_resume(workdir: str, resume: bool) -> tuple[int, Optional[dict[str, Any
       with its own.
   """
   if not resume:
-    steps = checkpoint.committed_steps(workdir)
+    steps = saving.committed_steps(workdir)
     if steps:
       raise StartError(
           f"--workdir={workdir!r} holds the checkpoints of an earlier run "
@@ -134,11 +105,11 @@ def find_resume(workdir: str, resume: bool) -> tuple[int, Optional[dict[str, Any
           "or a new --workdir to start afresh.")
     return 0, None
   try:
-    return checkpoint.latest(workdir)
-  except checkpoint.NotFoundError as e:
+    return saving.latest(workdir)
+  except saving.NotFoundError as e:
     raise StartError(f"--resume: {e} Train first (with --checkpoint_every > 0), "
                      "or drop --resume to start afresh.") from None
-  except checkpoint.CheckpointError as e:
+  except saving.CheckpointError as e:
     raise StartError(f"--resume: {e}") from None
 
 
@@ -152,11 +123,11 @@ def find_init_from(init_from: Optional[str]) -> tuple[int, Optional[dict[str, An
   if init_from is None:
     return 0, None
   try:
-    return checkpoint.latest(init_from)
-  except checkpoint.NotFoundError as e:
+    return saving.latest(init_from)
+  except saving.NotFoundError as e:
     raise StartError(f"--init_from={init_from!r}: {e} Pass the --workdir of "
                      "a run that saved a checkpoint.") from None
-  except checkpoint.CheckpointError as e:
+  except saving.CheckpointError as e:
     raise StartError(f"--init_from={init_from!r}: {e}") from None
 
 
@@ -283,56 +254,12 @@ def restore_resume(start: Start, params: Any, opt_state: Any,
     StartError: unreadable, or written by another model or optimizer.
   """
   try:
-    return checkpoint.restore(start.workdir, start.resume_step, params, opt_state)
-  except checkpoint.OptimizerStateError as e:
+    return restoring.restore(start.workdir, start.resume_step, params, opt_state)
+  except saving.OptimizerStateError as e:
     advice = optimizer_flags_advice(start.resume_meta, optimizer, start.workdir)
     raise StartError(f"--resume: {e} {advice}") from None
-  except checkpoint.CheckpointError as e:
+  except saving.CheckpointError as e:
     raise StartError(f"--resume: {e}") from None
-
-
-def depth_indices(depth_map: Optional[str], old: int, new: int, period: int,
-                  pattern: str = "") -> DepthMap:
-  """``--depth_map`` as ``st.take_layers``' indices and ``zero=``, for a stack
-  of ``old`` blocks becoming one of ``new``.
-
-  Example::
-
-    assert depth_indices("repeat", 2, 4, 1) == ([0, 0, 1, 1], ())
-
-  Raises:
-    ValueError: one line, when the map does not fit the depths.
-  """
-  if depth_map is None:
-    if old != new:
-      raise ValueError(f"its checkpoint has {old} blocks and --num_layers={new}: pass "
-                       f"--depth_map ({', '.join(DEPTH_MAPS)} or take:I,J,...) to say "
-                       f"which blocks go where, or --num_layers={old}.")
-    return list(range(old)), ()
-  if depth_map.startswith("take:"):
-    indices = [None if p == "new" else int(p) for p in depth_map[len("take:"):].split(",")]
-    if len(indices) != new:
-      raise ValueError(f"--depth_map={depth_map} lists {len(indices)} blocks but "
-                       f"--num_layers={new}; list one index per block.")
-    outside = [i for i in indices if i is not None and i >= old]
-    if outside:
-      raise ValueError(f"--depth_map={depth_map} takes block {outside[0]}, but the "
-                       f"checkpoint has {old} blocks (0 to {old - 1}): list blocks 0 "
-                       f"to {old - 1}, and new for a fresh one.")
-    for p, i in enumerate(indices):   # every position keeps its kind of --pattern
-      if i is not None and pattern and pattern[i % period] != pattern[p % period]:
-        raise ValueError(f"--depth_map={depth_map} puts block {i}, of kind "
-                         f"{pattern[i % period]} in --pattern={pattern}, at position {p}, "
-                         f"whose kind is {pattern[p % period]}: take a block of kind "
-                         f"{pattern[p % period]} there, or new for a fresh one.")
-    return indices, ()
-  if new < old:
-    raise ValueError(f"--depth_map={depth_map} grows the stack, but --num_layers={new} "
-                     f"is less than its {old} blocks: to keep some, list them, e.g. "
-                     f"--depth_map=take:{','.join(map(str, range(new)))}.")
-  helper = {"repeat": depth.repeat, "stack": depth.tile, "zero_new": depth.insert_new}[depth_map]
-  zero = model_config.RESIDUAL_OUTPUTS if depth_map == "zero_new" else ()
-  return helper(old, new, period), zero
 
 
 def check_init_from(start: Start, cfg: model_config.GPTConfig, last_step: int) -> DepthMap:
@@ -355,8 +282,8 @@ def check_init_from(start: Start, cfg: model_config.GPTConfig, last_step: int) -
   check_model_flags(saved, cfg, init_from, "--init_from", depth_too=False)
   old = saved.get("num_layers", cfg.num_layers)
   try:
-    init_map = depth_indices(start.depth_map, old, cfg.num_layers, len(cfg.pattern) or 1,
-                             cfg.pattern)
+    init_map = init_from_lib.depth_indices(start.depth_map, old, cfg.num_layers,
+                                           len(cfg.pattern) or 1, cfg.pattern)
   except ValueError as e:
     raise StartError(f"--init_from={init_from!r}: {e}") from None
   if start.mapped and init_step >= last_step:
@@ -397,11 +324,11 @@ def restore_init_from(start: Start, init_map: DepthMap, cfg: model_config.GPTCon
   mapped = optimizer is not None
   fresh_opt = distributed.to_host(jax.jit(optimizer.init)(params)) if mapped else None
   try:
-    host_params, host_opt = checkpoint.restore_across_depth(
+    host_params, host_opt = restoring.restore_across_depth(
         start.init_from, start.init_step, distributed.to_host(params), fresh_opt, stack="h",
         indices=indices, pattern=tuple(model_config.KINDS[c] for c in cfg.pattern) or None,
         zero=zero)
-  except checkpoint.CheckpointError as e:
+  except saving.CheckpointError as e:
     raise StartError(f"--init_from={start.init_from!r}: {e}") from None
   except ValueError as e:
     raise StartError(f"--init_from={start.init_from!r} --depth_map={start.depth_map}: "

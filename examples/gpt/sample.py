@@ -26,12 +26,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
+from examples.gpt import restoring  # pylint: disable=g-import-not-at-top
+
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import decoding  # pylint: disable=g-import-not-at-top
 from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import model_config  # pylint: disable=g-import-not-at-top
+from examples.gpt import saving  # pylint: disable=g-import-not-at-top
 
 #: What separates the samples of --num_samples > 1 on the standard output.
 SEPARATOR = "-" * 40
@@ -72,10 +74,10 @@ def main(argv):
     sys.exit(f"error: --workdir={workdir!r} {problem}; pass the folder that "
              f"train.py wrote its checkpoints to{train_first}.")
   try:
-    step, meta = checkpoint.latest(workdir)
-  except checkpoint.NotFoundError as e:
+    step, meta = saving.latest(workdir)
+  except saving.NotFoundError as e:
     sys.exit(f"error: {e} Train first with {train}.")
-  except checkpoint.CheckpointError as e:
+  except saving.CheckpointError as e:
     sys.exit(f"error: {e}")
   cfg = model_config.GPTConfig(**{**meta["config"], "dtype": FLAGS.dtype})
   if FLAGS.top_k > cfg.vocab_size:
@@ -90,14 +92,14 @@ def main(argv):
   # Whatever mesh saved it, the parameters are read onto this one device.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   try:
-    params, _ = checkpoint.restore(
+    params, _ = restoring.restore(
         workdir, step, jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes))
     decoding.warn_if_cut(FLAGS.prompt, cfg.seq_len, "--prompt")
     texts = decoding.generate(cfg, params, dataset, FLAGS.prompt, FLAGS.num_tokens,
                      temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                      num_samples=FLAGS.num_samples, seed=FLAGS.seed)
-  except (checkpoint.CheckpointError, ValueError) as e:
+  except (saving.CheckpointError, ValueError) as e:
     sys.exit(f"error: {e}")
   print(f"\n{SEPARATOR}\n".join(texts))
 

@@ -49,16 +49,17 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import stacktools as st  # pylint: disable=g-import-not-at-top
-from examples.gpt import checkpoint  # pylint: disable=g-import-not-at-top
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import decoding  # pylint: disable=g-import-not-at-top
 from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import files  # pylint: disable=g-import-not-at-top
+from examples.gpt import init_from as init_from_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
 from examples.gpt import model_config  # pylint: disable=g-import-not-at-top
 from examples.gpt import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import remat as remat_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import resume as resume_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import saving  # pylint: disable=g-import-not-at-top
 from examples.gpt import step as step_lib  # pylint: disable=g-import-not-at-top
 
 #: --window when --pattern has L layers and no --window is given.
@@ -261,7 +262,7 @@ flags.register_validator(
     message="--layer_drop must be in [0, 1): the last block's drop rate, e.g. 0.1.")
 _validate(["freeze_layers", "layer_lr_decay", "num_layers", "stack"],
           optimizer_lib.check_layer_rules)
-_validate(["init_from", "depth_map", "init_opt_state", "resume"], resume_lib.check_init_flags)
+_validate(["init_from", "depth_map", "init_opt_state", "resume"], init_from_lib.check_init_flags)
 flags.register_multi_flags_validator(
     ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
     message="--stop_after must be at most --steps.")
@@ -325,7 +326,7 @@ class Run:
   # Starts an asynchronous save of (params, opt_state) with this step's
   # metadata: every process writes its own shards.
   save_checkpoint: Callable[[int, Any, Any], None]
-  checkpoints: checkpoint.Manager  # finish() waits for its last save
+  checkpoints: saving.Manager  # finish() waits for its last save
   params: Any  # at start_step
   opt_state: Any
   start_step: int
@@ -411,7 +412,7 @@ def _build_model(vocab_size: int, pipeline: Optional[st.Pipeline], mesh: jax.sha
 
 
 def _check_start(start: resume_lib.Start, cfg: model_config.GPTConfig,
-                 last_step: int) -> Optional[resume_lib.DepthMap]:
+                 last_step: int) -> Optional[init_from_lib.DepthMap]:
   """--init_from's depth map (None without it); exits with one line when the
   checkpoints do not fit this run's model flags."""
   try:
@@ -420,7 +421,7 @@ def _check_start(start: resume_lib.Start, cfg: model_config.GPTConfig,
     sys.exit(f"error: {e}")
 
 
-def _initial_state(start: resume_lib.Start, init_map: Optional[resume_lib.DepthMap],
+def _initial_state(start: resume_lib.Start, init_map: Optional[init_from_lib.DepthMap],
                    cfg: model_config.GPTConfig, optimizer: optax.GradientTransformation,
                    init_key: jax.Array, sampler: data_lib.BatchSampler,
                    mesh: jax.sharding.Mesh, param_shapes: Any
@@ -487,15 +488,15 @@ def _plan_remat(workdir: str, cfg: model_config.GPTConfig,
   return dataclasses.replace(cfg, remat=remat)
 
 
-def _open_checkpoints(workdir: str) -> checkpoint.Manager:
+def _open_checkpoints(workdir: str) -> saving.Manager:
   """The run's checkpoint manager; every process makes one.
 
   The first start after a kill removes the step folder that the killed save
   left unfinished.
   """
   try:
-    checkpoints = checkpoint.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
-  except checkpoint.CheckpointError as e:
+    checkpoints = saving.Manager(workdir, keep=_KEEP_CHECKPOINTS.value)
+  except saving.CheckpointError as e:
     sys.exit(f"error: --workdir={workdir!r}: {e}")
   if checkpoints.removed_unfinished:
     logging.info("Removed the unfinished checkpoint(s) of an interrupted save from "
@@ -521,7 +522,7 @@ def _compile(cfg: model_config.GPTConfig, optimizer: optax.GradientTransformatio
   return compiled_step
 
 
-def _saver(checkpoints: checkpoint.Manager, batches: data_lib.Prefetched,
+def _saver(checkpoints: saving.Manager, batches: data_lib.Prefetched,
            cfg: model_config.GPTConfig, chars: str) -> Callable[[int, Any, Any], None]:
   """``Run.save_checkpoint``: the arrays, with what a --resume checks them by."""
 
@@ -676,7 +677,7 @@ def finish(run: Run, params: Any) -> None:
   if not run.is_chief:
     return
   if _EXPORT_NPZ.value:
-    logging.info("Wrote %s", checkpoint.export_npz(_EXPORT_NPZ.value, host_params))
+    logging.info("Wrote %s", saving.export_npz(_EXPORT_NPZ.value, host_params))
   metrics.plot_losses(run.workdir, records, dataset.unigram_entropy())
   if _SAMPLE_TOKENS.value:
     # Sampling is small: it runs on process 0 alone, from host copies.
