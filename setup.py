@@ -23,7 +23,8 @@ setuptools.setup(
                  "pluggable checkpoint policies."),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["stacktools"],
+    # The package and its subpackages (stacktools.remat, stacktools.planner, ...).
+    packages=setuptools.find_packages(include=["stacktools", "stacktools.*"]),
     package_data={"stacktools": ["py.typed"]},
     python_requires=">=3.10",
     # The ranges the test suite has passed with. Haiku is in maintenance mode

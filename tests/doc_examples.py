@@ -166,9 +166,14 @@ def run_docstrings(path, module_globals):
 
 def package_modules():
   """``(path, module name)`` of every module of the package."""
-  folder = os.path.join(ROOT, "stacktools")
-  return [(os.path.join(folder, name), "stacktools." + name[:-3])
-          for name in sorted(os.listdir(folder)) if name.endswith(".py")]
+  found = []
+  for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, "stacktools")):
+    dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+    package = os.path.relpath(dirpath, ROOT).replace(os.sep, ".")
+    found += [(os.path.join(dirpath, name),
+               package if name == "__init__.py" else f"{package}.{name[:-3]}")
+              for name in sorted(filenames) if name.endswith(".py")]
+  return found
 
 
 def device_items():

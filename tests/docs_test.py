@@ -23,6 +23,7 @@ import pytest
 import background
 import doc_examples
 import stacktools
+from stacktools.remat import _nested_split
 
 ROOT = doc_examples.ROOT
 DOCS = os.path.join(ROOT, "docs")
@@ -120,13 +121,13 @@ def test_a_broken_example_in_a_copy_of_a_page_fails(tmp_path):
 
 def test_a_broken_docstring_example_in_a_copy_of_a_module_fails(tmp_path):
   copy = tmp_path / "_nested_split.py"
-  shutil.copy(os.path.join(ROOT, "stacktools", "_nested_split.py"), copy)
+  shutil.copy(os.path.join(ROOT, "stacktools", "remat", "_nested_split.py"), copy)
   text = copy.read_text()
   good = "assert split_nested(61, True) == (8, 7, 5)"
   assert text.count(good) == 1
   copy.write_text(text.replace(good, "assert split_nested(61, True) == (8, 7, 6)"))
   with pytest.raises(AssertionError, match="_nested_split.py:"):
-    doc_examples.run_docstrings(str(copy), vars(stacktools._nested_split))
+    doc_examples.run_docstrings(str(copy), vars(_nested_split))
 
 
 @pytest.mark.jax_independent

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _layer_step
+from stacktools.step import _layer_step
 
 from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 

@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import stacktools as st
-from stacktools import _stages
+from stacktools.pipelines import _stages
 
 import background
 

@@ -55,15 +55,20 @@ def test_all_is_small_and_every_name_in_it_imports():
 
 
 def _modules():
-  """The names of the package's modules (``loop_plan``, ``_checks``, ...)."""
-  return sorted(m.name for m in pkgutil.iter_modules(stacktools.__path__))
+  """The names of the package's modules and subpackages (``remat``,
+  ``policy``, ...), and of the subpackages' modules (``_segments``, ...)."""
+  found = {m.name for m in pkgutil.iter_modules(stacktools.__path__)}
+  for package in [m.name for m in pkgutil.iter_modules(stacktools.__path__) if m.ispkg]:
+    path = importlib.import_module(f"stacktools.{package}").__path__
+    found |= {m.name for m in pkgutil.iter_modules(path)}
+  return sorted(found)
 
 
 def test_the_module_list_is_what_it_should_be():
   modules = _modules()
-  assert {"loops", "policy", "loop_plan"} <= set(modules), modules
-  for name in modules:
-    importlib.import_module(f"stacktools.{name}")
+  assert {"loops", "policy", "remat", "_segments"} <= set(modules), modules
+  for info in pkgutil.walk_packages(stacktools.__path__, "stacktools."):
+    importlib.import_module(info.name)
 
 
 @pytest.mark.parametrize("folder", USER_CODE)

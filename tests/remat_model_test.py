@@ -1,6 +1,6 @@
 """Tests for the remat cost model, the few-compile planner and remembered plans.
 
-References are independent of _model.py and the planner (plan.py, _remat_*.py):
+References are independent of _cost_model.py and the planner (stacktools/planner/):
 
 * the bytes a loop keeps per layer against what each added layer costs in
   compiled temp memory, and the offloaded ones against counting by hand;
@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _jaxpr
-from stacktools import _model
-from stacktools import _remat_choose
-from stacktools import _remat_compile
-from stacktools import _remat_results
-from stacktools import _remat_search
+from stacktools.core import _jaxpr
+from stacktools.planner import _cost_model
+from stacktools.planner import _choose
+from stacktools.planner import _compile
+from stacktools.planner import _results
+from stacktools.planner import _search
 
 # The step planned in this process and in a second one (test_second_process).
 STEP_SOURCE = """
@@ -76,10 +76,10 @@ def test_kept_bytes_per_layer_are_what_each_added_layer_costs(label):
   temp, costs = {}, {}
   for n in (8, 12):
     step, args = make_step(num_layers=n)
-    traced = _remat_search.trace(step, *args)
-    remat = _remat_search.candidates(traced.stacks[0])[label]
+    traced = _search.trace(step, *args)
+    remat = _search.candidates(traced.stacks[0])[label]
     costs[n] = traced.models["loop_0"].layers[0].cost(remat)
-    temp[n] = _remat_compile.compile_plan(step, args, {"loop_0": remat}).temp_bytes
+    temp[n] = _compile.compile_plan(step, args, {"loop_0": remat}).temp_bytes
   assert costs[8] == costs[12]
   cost = costs[8]
   # On a CPU, host memory is the device's: offloaded bytes count too.
@@ -91,7 +91,7 @@ def test_kept_bytes_per_layer_are_what_each_added_layer_costs(label):
 
 def test_offloaded_bytes_counted_apart():
   step, args = make_step()
-  traced = _remat_search.trace(step, *args)
+  traced = _search.trace(step, *args)
   (model,) = traced.models.values()
   cost = model.layers[0].cost(st.REMAT_ALIASES["offload"])
   # The carry goes to host memory; the layer's weight slice is read from
@@ -129,7 +129,7 @@ def test_predicted_flops_match_the_compiled_steps_jaxpr(compiled_report):
   for row in report.rows:
     (label,) = row.plan.values()
     remat = report.remats["loop_0"][label]
-    counted = _jaxpr.flops(_remat_search.under(_remat_search.Fixed({"loop_0": remat}), step),
+    counted = _jaxpr.flops(_search.under(_search.Fixed({"loop_0": remat}), step),
                            *args)
     if ":" in label or label == "nested":
       # Seams add the gradients of slices; chunks recompute a little more.
@@ -141,8 +141,8 @@ def test_predicted_flops_match_the_compiled_steps_jaxpr(compiled_report):
 def test_every_plan_computes_the_uncheckpointed_step():
   step, (c, ws) = make_step(num_layers=4, batch=8)
   want = _python_grads(c, ws)
-  for label, remat in _remat_search.candidates(_remat_search.discover(step, c, ws)[0]).items():
-    got = jax.jit(_remat_search.under(_remat_search.Fixed({"loop_0": remat}), step))(c, ws)
+  for label, remat in _search.candidates(_search.discover(step, c, ws)[0]).items():
+    got = jax.jit(_search.under(_search.Fixed({"loop_0": remat}), step))(c, ws)
     # The reference runs op by op and the step compiled: float32 sums fused
     # in another order differ by a few parts in 1e5 (up to 4e-5 relative on
     # jax 0.12). A wrong plan is off by far more than this.
@@ -162,7 +162,7 @@ def test_plan_fits_in_few_compiles(compiled_report, fraction, measure):
   budget = int(temps["full"] + fraction * (temps["none"] - temps["full"]))
   plan = st.plan_remat(step, *args, budget=budget, only=SOME, measure=measure,
                        repeats=2)
-  assert plan.report.compiles <= _remat_choose.MAX_COMPILES
+  assert plan.report.compiles <= _choose.MAX_COMPILES
   (label,) = plan.labels.values()
   assert temps[label] <= budget
   compiled = jax.jit(plan.wrap(step)).lower(*args).compile()
@@ -177,7 +177,7 @@ def test_report_with_a_budget_shows_the_planners_choice(compiled_report):
   budget = next(r.temp_bytes for r in report.rows if r.plan == {"loop_0": "none"})
   planned = st.remat_report(step, *args, budget=budget, only=SOME)
   assert planned.chosen is not None and planned.chosen.memory <= budget
-  assert 1 <= planned.compiles <= _remat_choose.MAX_COMPILES
+  assert 1 <= planned.compiles <= _choose.MAX_COMPILES
   text = str(planned)
   assert "<- chosen" in text and f"chosen: {planned.decision}" in text
   # What was compiled shows the compiler's figure beside the prediction.
@@ -194,18 +194,18 @@ def _fixed_timings(monkeypatch, seconds):
     return [[seconds[labels[id(e)]]] * repeats for e in executables]
 
   labels = {}
-  compile_plan = _remat_compile.compile_plan
+  compile_plan = _compile.compile_plan
 
   def remembering(step_fn, args, choice, **kw):
     compiled = compile_plan(step_fn, args, choice, **kw)
     (remat,) = choice.values()
     labels[id(compiled.executable)] = next(
-        label for label, r in _remat_search.candidates(
-            _remat_search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
+        label for label, r in _search.candidates(
+            _search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
     return compiled
 
-  monkeypatch.setattr(_remat_compile, "time_runs", time_runs)
-  monkeypatch.setattr(_remat_compile, "compile_plan", remembering)
+  monkeypatch.setattr(_compile, "time_runs", time_runs)
+  monkeypatch.setattr(_compile, "compile_plan", remembering)
 
 
 @pytest.mark.parametrize("challenger_seconds,chosen", [
@@ -223,8 +223,8 @@ def test_timed_choice_follows_its_rule(monkeypatch, challenger_seconds, chosen):
 
 
 def _label_of(remat):
-  return next(label for label, r in _remat_search.candidates(
-      _remat_search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
+  return next(label for label, r in _search.candidates(
+      _search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
 
 
 def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch):
@@ -234,23 +234,23 @@ def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch)
   # fewer FLOPs was predicted well within the budget. Here "none" and
   # "save_all" are put at the edge and refused, "none:4,full:4" fits.
   step, args = make_step()
-  predict = _model.predict
+  predict = _cost_model.predict
 
   def save_all_like_none(models, choice, **kw):
     if _label_of(choice["loop_0"]) == "save_all":
       return predict(models, {"loop_0": "none"}, **kw)
     return predict(models, choice, **kw)
 
-  monkeypatch.setattr(_model, "predict", save_all_like_none)
+  monkeypatch.setattr(_cost_model, "predict", save_all_like_none)
   _fixed_timings(monkeypatch, {"full": 1.0, "none:4,full:4": 0.9})
-  remembering = _remat_compile.compile_plan
+  remembering = _compile.compile_plan
 
   def refusing(step_fn, args, choice, **kw):
     if _label_of(choice["loop_0"]) in ("none", "save_all"):
       raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
     return remembering(step_fn, args, choice, **kw)
 
-  monkeypatch.setattr(_remat_compile, "compile_plan", refusing)
+  monkeypatch.setattr(_compile, "compile_plan", refusing)
   full = st.remat_report(step, *args, only=("full", "none")).rows
   budget = next(r.predicted_temp_bytes for r in full if r.plan["loop_0"] == "none")
   plan = st.plan_remat(step, *args, budget=budget, only=SOME)
@@ -258,7 +258,7 @@ def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch)
   assert by["none"].out_of_memory          # the one check of the edge
   assert by["save_all"].temp_bytes is None and not by["save_all"].out_of_memory
   assert plan.labels == {"loop_0": "none:4,full:4"}, plan.report.decision
-  assert plan.report.compiles == _remat_choose.MAX_COMPILES
+  assert plan.report.compiles == _choose.MAX_COMPILES
 
 
 def test_time_runs_passes_over_a_program_the_device_cannot_load():
@@ -273,10 +273,10 @@ def test_time_runs_passes_over_a_program_the_device_cannot_load():
                        "Attempting to reserve 10.65G at the bottom of memory.")
 
   x = jnp.ones(3)
-  runs = _remat_compile.time_runs([ok, refused, ok], [x], 3, donate_argnums=(0,))
+  runs = _compile.time_runs([ok, refused, ok], [x], 3, donate_argnums=(0,))
   assert [len(r) for r in runs] == [3, 0, 3] and calls == ["ok"] * 6
   with pytest.raises(RuntimeError, match="INTERNAL"):
-    _remat_compile.time_runs([lambda x: (_ for _ in ()).throw(RuntimeError("INTERNAL"))],
+    _compile.time_runs([lambda x: (_ for _ in ()).throw(RuntimeError("INTERNAL"))],
                              [x], 1)
 
 
@@ -285,13 +285,13 @@ def test_a_challenger_that_cannot_be_timed_is_chosen_by_its_flops(monkeypatch):
   # full chip a plan within the budget may not load beside them.
   step, args = make_step()
   _fixed_timings(monkeypatch, {"full": 1.0, "none": 2.0})
-  fixed = _remat_compile.time_runs
+  fixed = _compile.time_runs
 
   def none_refused(executables, args, repeats, donate_argnums=()):
     runs = fixed(executables, args, repeats, donate_argnums)
     return [[] if r == [2.0] * repeats else r for r in runs]
 
-  monkeypatch.setattr(_remat_compile, "time_runs", none_refused)
+  monkeypatch.setattr(_compile, "time_runs", none_refused)
   plan = st.plan_remat(step, *args, budget="64MiB", only=("full", "none"))
   assert plan.labels == {"loop_0": "none"}
   assert plan.report.decision == ("not timed: the device could not run none beside "
@@ -303,13 +303,13 @@ def test_a_challenger_that_cannot_be_timed_is_chosen_by_its_flops(monkeypatch):
 def test_a_budget_that_leaves_no_room_for_the_arguments_is_refused(monkeypatch):
   step, args = make_step()
   held = sum(a.nbytes for a in args)
-  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: held + 2**20 - 1)
+  monkeypatch.setattr(_choose, "device_bytes", lambda: held + 2**20 - 1)
   with pytest.raises(ValueError, match=(
       r"budget='1MiB' \(1.00 MiB\) of temp memory does not fit beside the step's "
       rf"arguments: they hold .* of the device's .*, which leaves .* for the step\. "
       r"Pass a budget of at most that")):
     st.plan_remat(step, *args, budget="1MiB", measure=False)
-  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: held + 2**20)
+  monkeypatch.setattr(_choose, "device_bytes", lambda: held + 2**20)
   assert st.plan_remat(step, *args, budget="1MiB", measure=False).labels
 
 
@@ -318,12 +318,12 @@ def test_donated_arguments_leave_their_room_to_the_budget(monkeypatch):
   # its own check of the program against the device's memory: only what the
   # step keeps (here the carry, not the donated weights) is counted.
   step, (c, ws) = make_step()
-  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: c.nbytes + 2**20 - 1)
+  monkeypatch.setattr(_choose, "device_bytes", lambda: c.nbytes + 2**20 - 1)
   with pytest.raises(ValueError, match=(
       r"does not fit beside the step's arguments it does not donate: they hold "
       rf"{c.nbytes / 2**20:.2f} MiB of the device's")):
     st.plan_remat(step, c, ws, budget="1MiB", measure=False, donate_argnums=(1,))
-  monkeypatch.setattr(_remat_choose, "device_bytes", lambda: c.nbytes + 2**20)
+  monkeypatch.setattr(_choose, "device_bytes", lambda: c.nbytes + 2**20)
   assert st.plan_remat(step, c, ws, budget="1MiB", measure=False,
                        donate_argnums=(1,)).labels
   with pytest.raises(ValueError, match="beside the step's arguments: they hold"):
@@ -331,12 +331,12 @@ def test_donated_arguments_leave_their_room_to_the_budget(monkeypatch):
 
 
 def test_ties_go_to_fewer_flops_then_less_memory():
-  row = lambda label, flops, temp, seconds: _remat_results.ReportRow(
+  row = lambda label, flops, temp, seconds: _results.ReportRow(
       plan={"s": label}, predicted_temp_bytes=temp, saved_bytes=0, flops=flops,
       temp_bytes=temp, step_time_s=seconds)
   rows = (row("a", 10, 100, 1.000), row("b", 8, 300, 1.010), row("c", 8, 200, 1.015),
           row("d", 5, 100, 1.500), row("e", 1, 900, 0.900))
-  report = _remat_results.RematReport(stacks=(), rows=rows, compile_seconds=0.0,
+  report = _results.RematReport(stacks=(), rows=rows, compile_seconds=0.0,
                                       remats={"s": {r.plan["s"]: r.plan["s"] for r in rows}})
   # e is over budget; a, b and c tie within the noise; b and c have the
   # fewest FLOPs, and c the less memory.
@@ -358,7 +358,7 @@ def test_same_inputs_same_plan():
 def _no_compiles(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("compiled although the plan is remembered")
-  monkeypatch.setattr(_remat_compile, "compile_plan", refuse)
+  monkeypatch.setattr(_compile, "compile_plan", refuse)
 
 
 def _plan_files(folder):

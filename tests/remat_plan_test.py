@@ -1,7 +1,6 @@
 """Tests for per-depth policies, the remat report and the planner (remat="auto").
 
-References are independent of loop_plan.py and the planner (report.py, plan.py,
-_remat_*.py):
+References are independent of _segments.py and the planner (stacktools/planner/):
 
 * values and gradients of ``per_depth`` stacks against the same stack with one
   policy, against ``jax.grad`` of a Python loop over sliced weights, and
@@ -24,11 +23,11 @@ import numpy as np
 import pytest
 
 import stacktools as st
-from stacktools import _jaxpr
-from stacktools import _remat_compile
-from stacktools import _remat_results
-from stacktools import _remat_search
-from stacktools import loop_plan
+from stacktools.core import _jaxpr
+from stacktools.planner import _compile
+from stacktools.planner import _results
+from stacktools.planner import _search
+from stacktools.remat import _segments
 
 L, D, B = 6, 8, 4
 RTOL = 1e-5
@@ -240,16 +239,16 @@ def one_stack_report():
 
 def test_candidates_found_by_tracing():
   step, params, x, _ = _auto_step()
-  (stack,) = _remat_search.discover(step, params, x)
+  (stack,) = _search.discover(step, params, x)
   assert (stack.key, stack.num_layers) == ("h0", L)
   assert stack.tagged_names == ("mlp_hidden", "mlp_out")
-  labels = list(_remat_search.candidates(stack))
+  labels = list(_search.candidates(stack))
   assert labels[:5] == list(st.REMAT_ALIASES)
   assert labels[5:] == [
       "save:mlp_hidden", "save:mlp_out", "save:mlp_hidden+mlp_out",
       "none:2,full:4", "none:3,full:3", "none:4,full:2",
       "full:2,nested:4", "full:3,nested:3", "full:4,nested:2"]
-  assert "offload" not in _remat_search.candidates(stack, offload=False)
+  assert "offload" not in _search.candidates(stack, offload=False)
 
 
 class _ThreeMatmuls(hk.Module):
@@ -275,11 +274,11 @@ def _auto_seq_step(stack_cls=st.BlockSeq, block=_TaggedBlock):
 
 def test_blockseq_auto_is_planned_as_unrolled_layers():
   step, params, x, _ = _auto_seq_step()
-  traced = _remat_search.trace(step, params, x)
+  traced = _search.trace(step, params, x)
   (stack,) = traced.stacks
   assert (stack.key, stack.num_layers, stack.looped) == ("h0", L, False)
   assert stack.tagged_names == ("mlp_hidden", "mlp_out")
-  labels = list(_remat_search.candidates(stack))
+  labels = list(_search.candidates(stack))
   # No loop to nest; the mixes in eighths of the depth (6 layers: 1 to 5).
   assert not [label for label in labels if "nested" in label]
   assert [label for label in labels if "," in label and label[0] == "n"] == [
@@ -290,7 +289,7 @@ def test_blockseq_auto_is_planned_as_unrolled_layers():
   none, full = (model.layer_cost(st.REMAT_ALIASES[a]) for a in ("none", "full"))
   mix = st.per_depth((2, "none"), (4, "full"))
   assert model.cost(mix).kept == 2 * none.kept + 4 * full.kept
-  stacked = _remat_search.trace(*_auto_seq_step(st.Stacked)[:3]).models["h0"]
+  stacked = _search.trace(*_auto_seq_step(st.Stacked)[:3]).models["h0"]
   assert stacked.cost(mix).kept > 2 * none.kept + 4 * full.kept
   # Each compiled row is the step compiled with its remat given to BlockSeq.
   report = st.remat_report(step, params, x, only=("none", "full", "none:3,full:3"),
@@ -352,9 +351,9 @@ def _deep_step(num_layers, pattern=None):
 
 def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
   step, params, x, model = _deep_step(64)
-  (stack,) = _remat_search.discover(step, params, x)
-  assert "nested(4,4)" in _remat_search.candidates(stack)      # 4 + 4 + 4 carries
-  assert not any(label.startswith("nested(") for label in _remat_search.candidates(
+  (stack,) = _search.discover(step, params, x)
+  assert "nested(4,4)" in _search.candidates(stack)      # 4 + 4 + 4 carries
+  assert not any(label.startswith("nested(") for label in _search.candidates(
       dataclasses.replace(stack, num_layers=16)))           # too shallow to pay
   report = st.remat_report(step, params, x, only=["nested", "nested(4,4)"],
                            compile_all=True)
@@ -363,9 +362,9 @@ def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
   for row in rows.values():   # the cost model predicts the third level too
     assert abs(row.predicted_temp_bytes / row.temp_bytes - 1) < 0.1, row
   # It computes the un-checkpointed step.
-  want = jax.jit(_remat_search.under(_remat_search.Fixed({"h": "none"}), step))(params, x)
-  three_levels = _remat_search.Fixed({"h": st.CheckpointPolicy(nested=(4, 4))})
-  got = jax.jit(_remat_search.under(three_levels, step))(params, x)
+  want = jax.jit(_search.under(_search.Fixed({"h": "none"}), step))(params, x)
+  three_levels = _search.Fixed({"h": st.CheckpointPolicy(nested=(4, 4))})
+  got = jax.jit(_search.under(three_levels, step))(params, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -373,12 +372,12 @@ def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
 def test_a_patterns_third_level_splits_its_periods():
   # 128 layers of pattern "ab" loop over 64 periods: the split is 64's.
   step, params, x, _ = _deep_step(128, pattern="ab")
-  (stack,) = _remat_search.discover(step, params, x)
+  (stack,) = _search.discover(step, params, x)
   assert (stack.num_layers, stack.period) == (128, 2)
-  assert "nested(4,4)" in _remat_search.candidates(stack)
-  plan = _remat_search.Fixed({"h": _remat_search.candidates(stack)["nested(4,4)"]})
-  want = jax.jit(_remat_search.under(_remat_search.Fixed({"h": "none"}), step))(params, x)
-  got = jax.jit(_remat_search.under(plan, step))(params, x)
+  assert "nested(4,4)" in _search.candidates(stack)
+  plan = _search.Fixed({"h": _search.candidates(stack)["nested(4,4)"]})
+  want = jax.jit(_search.under(_search.Fixed({"h": "none"}), step))(params, x)
+  got = jax.jit(_search.under(plan, step))(params, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -396,12 +395,12 @@ def test_report_rows_and_table(one_stack_report):
 def test_report_marks_a_mix_above_both_of_its_policies():
   # Hand-made rows: the mark follows from the numbers alone.
   def row(label, temp):
-    return _remat_results.ReportRow({"h": label}, predicted_temp_bytes=temp,
+    return _results.ReportRow({"h": label}, predicted_temp_bytes=temp,
                                     saved_bytes=temp, flops=1.0, temp_bytes=temp,
                                     xla_flops=1.0, bytes_accessed=1.0)
   rows = (row("none", 100), row("full", 50), row("nested", 30),
           row("none:3,full:3", 120), row("full:3,nested:3", 40))
-  report = _remat_results.RematReport(stacks=(), rows=rows, compile_seconds=1.0)
+  report = _results.RematReport(stacks=(), rows=rows, compile_seconds=1.0)
   lines = {line.split()[0]: line for line in str(report).splitlines()[2:]}
   assert lines["none:3,full:3"].endswith("above none and full"), lines
   assert not [k for k, line in lines.items() if "above" in line and k != "none:3,full:3"], lines
@@ -409,9 +408,9 @@ def test_report_marks_a_mix_above_both_of_its_policies():
 
 def test_joint_plans_fall_back_to_uniform():
   few = {"a": {"none": 0, "full": 1}, "b": {"none": 0, "full": 1}}
-  assert len(_remat_search.joint_plans(few)) == 4
+  assert len(_search.joint_plans(few)) == 4
   many = {k: {f"c{i}": i for i in range(9)} for k in "ab"}   # 81 pairs
-  plans = _remat_search.joint_plans(many)
+  plans = _search.joint_plans(many)
   assert plans == [{"a": f"c{i}", "b": f"c{i}"} for i in range(9)]
 
 
@@ -419,7 +418,7 @@ def test_joint_plans_fall_back_to_uniform():
                                    "none:3,full:3"])
 def test_report_memory_is_the_candidates_compiled_memory(one_stack_report, label):
   report, _, params, x = one_stack_report
-  remat = _remat_search.candidates(report.stacks[0])[label]
+  remat = _search.candidates(report.stacks[0])[label]
   loss = lambda x: jnp.mean(st.Stacked(lambda: _TaggedBlock(name="block"), L,
                                           remat=remat, name="h0").fold(x) ** 2)
   direct = jax.value_and_grad(hk.without_apply_rng(hk.transform(loss)).apply)
@@ -457,7 +456,7 @@ def test_plan_chooses_fewest_flops_within_budget(one_stack_report):
   # And computes what the step computes with any fixed policy.
   with plan:
     value, grads = jax.jit(step)(params, x)
-  with loop_plan.plan_context(_remat_search.Fixed({"h0": "none"})):
+  with _segments.plan_context(_search.Fixed({"h0": "none"})):
     ref_value, ref_grads = jax.jit(lambda p, x: step(p, x))(params, x)
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
@@ -497,7 +496,7 @@ def test_two_stacks_planned_jointly_and_measured():
 def test_a_candidate_the_device_cannot_hold_is_passed_over(monkeypatch):
   # On a TPU, XLA refuses to compile a program that does not fit the chip's
   # memory; the planner once stopped there. Here "none" is refused so.
-  compile_plan = _remat_compile.compile_plan
+  compile_plan = _compile.compile_plan
 
   def refusing(step_fn, args, choice, **kwargs):
     if any(getattr(r, "disable", False) for r in choice.values()):
@@ -505,7 +504,7 @@ def test_a_candidate_the_device_cannot_hold_is_passed_over(monkeypatch):
                          "out of memory in memory space hbm. Used 15.76G of 15.75G hbm.")
     return compile_plan(step_fn, args, choice, **kwargs)
 
-  monkeypatch.setattr(_remat_compile, "compile_plan", refusing)
+  monkeypatch.setattr(_compile, "compile_plan", refusing)
   step, params, x, _ = _auto_step()
   plan = st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
                        only=("none", "full"))
@@ -515,7 +514,7 @@ def test_a_candidate_the_device_cannot_hold_is_passed_over(monkeypatch):
   assert plan.report.decision == "no plan with fewer FLOPs fits"
   assert "out of memory" in str(plan.report)
   # Any other error is not taken for a plan that does not fit.
-  monkeypatch.setattr(_remat_compile, "compile_plan",
+  monkeypatch.setattr(_compile, "compile_plan",
                       lambda *a, **k: (_ for _ in ()).throw(RuntimeError("INTERNAL: bug")))
   with pytest.raises(RuntimeError, match="INTERNAL: bug"):
     st.plan_remat(step, params, x, budget="64MiB", measure=True, repeats=1,
@@ -528,7 +527,7 @@ def test_pure_loops_keyed_by_trace_order():
     c = st.fold(_step, remat="auto")(c, ws)
     return jnp.sum(st.fold(_step, remat="auto")(c, ws))
   c = jnp.ones((B, D))
-  assert [s.key for s in _remat_search.discover(jax.grad(step), c)] == ["loop_0", "loop_1"]
+  assert [s.key for s in _search.discover(jax.grad(step), c)] == ["loop_0", "loop_1"]
   plan = st.plan_remat(jax.grad(step), c, budget=10**9, measure=False,
                        only=("full", "nested"))
   with plan:
@@ -540,13 +539,13 @@ def test_pure_loops_keyed_by_trace_order():
 @pytest.mark.parametrize("budget,expected", [
     (1000, 1000), ("48MiB", 48 * 2**20), ("1.5GB", 1_500_000_000), ("2 KiB", 2048)])
 def test_parse_bytes(budget, expected):
-  assert _remat_search.parse_bytes(budget) == expected
+  assert _search.parse_bytes(budget) == expected
 
 
 @pytest.mark.parametrize("budget", ["48 parsecs", "", "MiB", 0, -5, True])
 def test_parse_bytes_refuses(budget):
   with pytest.raises((ValueError, TypeError)):
-    _remat_search.parse_bytes(budget)
+    _search.parse_bytes(budget)
 
 
 # ---------------------------------------------------------------------------
@@ -572,7 +571,7 @@ def test_donated_arguments_are_planned_as_the_step_donates_them():
   assert len(compiled_rows) == 2, plan.report
   for row in compiled_rows:
     choice = {k: plan.report.remats[k][label] for k, label in row.plan.items()}
-    step = _remat_search.under(_remat_search.Fixed(choice), train_step)
+    step = _search.under(_search.Fixed(choice), train_step)
     donating = jax.jit(step, donate_argnums=(0,)).lower(params, x).compile()
     keeping = jax.jit(step).lower(params, x).compile()
     assert row.temp_bytes == donating.memory_analysis().temp_size_in_bytes, row

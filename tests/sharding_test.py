@@ -1,4 +1,4 @@
-"""Tests for stacktools/sharding.py: FSDP PartitionSpecs that keep Layers axes whole.
+"""Tests for stacktools/_partition_specs.py: FSDP PartitionSpecs that keep Layers axes whole.
 
 Pure and fast: only shapes (``jax.eval_shape``), no compiles, one CPU device.
 The reference is a hand-written table of the spec each parameter of the
@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 import stacktools as st
-from stacktools import sharding
+from stacktools.layouts import _partition_specs
 
 from haiku_helpers import Tiny, transformer
 
@@ -194,17 +194,17 @@ def test_largest_divisible_axis_wins_and_ties_go_to_the_last():
       ((), 0, 4, P()),                         # a scalar
   ]
   for shape, layer_axes, fsdp, expected in cases:
-    got = sharding.fsdp_spec(shape, layer_axes, fsdp)
+    got = _partition_specs.fsdp_spec(shape, layer_axes, fsdp)
     assert normalise(got, len(shape)) == normalise(expected, len(shape)), (shape, layer_axes)
-  assert sharding.fsdp_spec((4, 8), 0, 2, fsdp_axis="shard") == P(None, "shard")
+  assert _partition_specs.fsdp_spec((4, 8), 0, 2, fsdp_axis="shard") == P(None, "shard")
 
 
 def test_module_names_match_whole_path_components():
-  assert sharding.num_layer_axes("h", ["h"]) == 1
-  assert sharding.num_layer_axes("h/block/fc", ["h"]) == 1
-  assert sharding.num_layer_axes("head", ["h"]) == 0     # a prefix, not a parent
-  assert sharding.num_layer_axes("model/h2/x", ["model/h"]) == 0
-  assert sharding.num_layer_axes("outer/blk/inner/lin", ["outer", "outer/blk/inner"]) == 2
+  assert _partition_specs.num_layer_axes("h", ["h"]) == 1
+  assert _partition_specs.num_layer_axes("h/block/fc", ["h"]) == 1
+  assert _partition_specs.num_layer_axes("head", ["h"]) == 0     # a prefix, not a parent
+  assert _partition_specs.num_layer_axes("model/h2/x", ["model/h"]) == 0
+  assert _partition_specs.num_layer_axes("outer/blk/inner/lin", ["outer", "outer/blk/inner"]) == 2
   tree = {"head": {"w": jnp.zeros((8, 3))}, "h/lin": {"w": jnp.zeros((8, 3))}}
   specs = st.stacked_partition_specs(tree, fsdp_size=8, stacked=["h"])
   assert specs["head"]["w"] == P(F, None)   # unstacked: its axis 0 of 8

@@ -1,0 +1,136 @@
+"""A stack laid out for a pipeline's stages, and one stage's chunk of layers.
+
+The plain stack's trees have a leading Layers axis ``[L, ...]`` and a batch
+``[B, ...]``; a pipeline over P stages with R repeats reads them as
+``[P, R, K, ...]`` (stage ``s``, repeat ``r``: the ``K = L/(R*P)`` layers of
+chunk ``r*P + s``) and ``[M, B/M, ...]`` (M microbatches). Both tick loops
+(``_run_stack.py``, ``_run_with_loss.py``) regroup with these layouts and
+run a chunk with :func:`stage_chunk`, the engine's loop over its K layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from stacktools.core import _checks
+from stacktools.pipelines import _pipeline
+from stacktools.remat import _loops
+from stacktools.remat import _policy
+from stacktools.step import _layer_step
+
+PyTree = Any
+
+
+# ---------------------------------------------------------------------------
+# Layouts: the plain stack's Layers axis <-> [stage, repeat, layer-in-chunk],
+# its batch <-> [microbatch, row].
+
+
+def to_stages(tree: PyTree, stages: int, repeats: int) -> PyTree:
+  """``[L, ...] -> [P, R, K, ...]``: stage ``s``, repeat ``r`` holds chunk ``r*P + s``."""
+  def one(a):
+    k = a.shape[0] // (stages * repeats)
+    return jnp.swapaxes(a.reshape((repeats, stages, k) + a.shape[1:]), 0, 1)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def from_stages(tree: PyTree) -> PyTree:
+  """The inverse of :func:`to_stages`: ``[P, R, K, ...] -> [L, ...]``."""
+  def one(a):
+    a = jnp.swapaxes(a, 0, 1)
+    return a.reshape((-1,) + a.shape[3:])
+  return jax.tree_util.tree_map(one, tree)
+
+
+def split_microbatches(tree: PyTree, microbatches: int) -> PyTree:
+  """``[B, ...] -> [M, B/M, ...]``, microbatch ``m`` the rows ``m, m+M, ...``.
+
+  Strided rather than contiguous: a batch sharded over a data axis in
+  contiguous blocks keeps every microbatch sharded the same way, with no
+  data movement (``B/M`` must divide by the data axis size).
+  """
+  def one(path, a):
+    if a.ndim == 0 or a.shape[0] % microbatches:
+      raise ValueError(
+          f"{_checks.where()}the pipeline cuts the carry's leading (batch) axis into "
+          f"{microbatches} microbatches, but {_checks.path_str('x', path)} has "
+          f"shape {tuple(a.shape)}. Make the batch size a multiple of "
+          f"microbatches={microbatches} (times the data axis size, when the batch "
+          "is sharded), or change microbatches.")
+    return jnp.swapaxes(a.reshape((a.shape[0] // microbatches, microbatches) + a.shape[1:]),
+                        0, 1)
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def merge_microbatches(tree: PyTree, axis: int = 0) -> PyTree:
+  """The inverse of :func:`split_microbatches`, for ``[..., M, B/M, ...]`` at ``axis``."""
+  def one(a):
+    a = jnp.swapaxes(a, axis, axis + 1)
+    return a.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 2:])
+  return jax.tree_util.tree_map(one, tree)
+
+
+# ---------------------------------------------------------------------------
+# A stage's layers: pinned to the pipe axis, run by the engine.
+
+
+def on_pipe(tree: PyTree, pipeline: _pipeline.Pipeline) -> PyTree:
+  """Pins each leaf's leading (Layers) axis to the pipe axis, other axes free.
+
+  The regrouping into stages is a reshape and a transpose; with the plain
+  layout pinned on both sides, its gradient is regrouped back by the same
+  all-to-all, instead of being gathered whole on every device.
+  """
+  def one(a):
+    spec = PartitionSpec(pipeline.axis, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
+    target = (spec if pipeline.mesh is None
+              else jax.sharding.NamedSharding(pipeline.mesh, spec))
+    return lax.with_sharding_constraint(a, target)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def stage_chunk(step: _loops.Step, policy: _policy.CheckpointPolicy, unroll: Any,
+                x_in: PyTree, local: _layer_step.LayerSlice, state: PyTree,
+                repeat: Union[int, jax.Array], microbatch: Union[int, jax.Array]
+                ) -> tuple[PyTree, Any]:
+  """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
+
+  Each layer's parameters are picked from the stage's ``[R, K, ...]``
+  arrays inside the layer's step, that is inside its checkpoint: the
+  backward pass then keeps the stage's own parameters once (a loop
+  invariant) rather than a copy of every chunk at every tick.
+
+  Args:
+    step: one layer, ``step(carry, layer_slice) -> (carry, result)``, the
+      result's first two fields the layer's ``y`` and new state.
+    policy: the checkpoint policy of every layer.
+    unroll: the stack's unroll, for the scan over the chunk's layers.
+    x_in: the microbatch's carry.
+    local: the stage's layers, each leaf ``[R, K, ...]``.
+    state: chunk ``repeat``'s per-layer state, ``[K, ...]``.
+    repeat: which of the stage's R chunks runs.
+    microbatch: which microbatch, to draw its own keys.
+
+  Returns:
+    ``(carry, results)`` of the engine's loop over the K layers: the
+    carry after the last, and every layer's result stacked (``[K, ...]``).
+  """
+  def layer_step(carry, xs):
+    k, layer_state = xs
+    pick = lambda a: a[repeat, k]  # noqa: E731
+    rng = None
+    if local.rng is not None:   # a fresh key per microbatch, the same on every stage
+      rng = jax.random.fold_in(pick(local.rng), microbatch)
+    layer = _layer_step.LayerSlice(
+        jax.tree_util.tree_map(pick, local.params), layer_state, rng,
+        jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
+    return step(carry, layer)
+
+  chunk_size = local.index.shape[1]
+  return _loops.loop(layer_step, x_in, (jnp.arange(chunk_size), state), chunk_size,
+                    policy, unroll)
