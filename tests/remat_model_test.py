@@ -238,7 +238,7 @@ def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch)
 
   def save_all_like_none(models, choice, **kw):
     if _label_of(choice["loop_0"]) == "save_all":
-      return predict(models, {"loop_0": "none"}, **kw)
+      return predict(models, {"loop_0": st.REMAT_ALIASES["none"]}, **kw)
     return predict(models, choice, **kw)
 
   monkeypatch.setattr(_cost_model, "predict", save_all_like_none)

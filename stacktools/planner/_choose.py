@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 
@@ -201,18 +201,19 @@ def _race(plans: _compile.Candidates, reference: int, challenger: int,
   return challenger, f"{timing}: a tie, so the fewer FLOPs"
 
 
-def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
+def choose(step_fn: Callable[..., Any], *args: Any, budget: _search.Budget,
            measure: bool, repeats: int, offload: Optional[bool],
            only: Optional[Sequence[str]],
            traced: Optional[_search.Traced] = None,
            donate_argnums: Sequence[int] = ()) -> _results.RematReport:
   """The report of :func:`stacktools.plan_remat`'s few compiles, its choice marked.
 
-  See the module docstring for the procedure.
+  See the module docstring for the procedure. ``budget`` comes parsed by
+  the public entry point that took it.
   """
   start = time.perf_counter()
-  budget_bytes = _search.parse_bytes(budget)
-  check_room(budget, budget_bytes, args, donate_argnums)
+  budget_bytes = budget.bytes
+  check_room(budget.given, budget_bytes, args, donate_argnums)
   if measure:
     _search.check_measurable(args)
   plans = _compile.Candidates(
@@ -236,7 +237,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   report = plans.report(budget=budget_bytes, chosen=pick, decision=decision,
                         seconds=time.perf_counter() - start)
   if pick is None:
-    _results.no_fit(report.rows, budget, budget_bytes)
+    _results.no_fit(report.rows, budget.given, budget_bytes)
   return report
 
 

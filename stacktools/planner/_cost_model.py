@@ -203,8 +203,8 @@ class StackModel:
                      forward_flops=mean("forward_flops"))
 
   def cost(self, remat: Any) -> StackCost:
-    """The stack's cost under a candidate (a policy or per-depth segments)."""
-    remat = _segments.as_remat(remat)
+    """The stack's cost under a candidate (a policy or per-depth segments,
+    normalised where the candidates are made)."""
     parts = (remat.segments if isinstance(remat, _segments.PerDepth)
              else ((self.num_layers, remat),))
     flops = kept = peak = host = 0
@@ -300,5 +300,4 @@ def predict(models: Mapping[str, StackModel], plan: Mapping[str, Any], *,
 
 def single_loop(remat: Union[_policy.CheckpointPolicy, _segments.PerDepth, Any]) -> bool:
   """Whether a candidate runs each stack as one flat loop (compiles fastest)."""
-  remat = _segments.as_remat(remat)
   return isinstance(remat, _policy.CheckpointPolicy) and not remat.nested

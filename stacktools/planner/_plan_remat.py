@@ -109,7 +109,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   """
   start = time.perf_counter()
   with _checks.subject("st.plan_remat"):
-    budget_bytes = _search.parse_bytes(budget)
+    budget = _search.parse_budget(budget)
     if measure:
       _search.check_measurable(args)
     traced = _search.trace(step_fn, *args)
@@ -119,7 +119,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
     key = None
     if cache is not None:
       key = _cache.key(traced.text(), args, {
-          "budget": budget_bytes, "measure": measure, "offload": offload,
+          "budget": budget.bytes, "measure": measure, "offload": offload,
           "only": None if only is None else [only] if isinstance(only, str) else list(only),
           "donate_argnums": list(_search.donated(donate_argnums, len(args)))})
       plan = _remembered(cache, key, traced, offload=offload, only=only)

@@ -106,6 +106,7 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
       ``donate_argnums`` that names no argument.
   """
   with _checks.subject("st.remat_report"):
+    budget = None if budget is None else _search.parse_budget(budget)
     if budget is not None and not compile_all:
       return _choose.choose(step_fn, *args, budget=budget, measure=measure,
                                   repeats=repeats, offload=offload, only=only,
@@ -117,7 +118,7 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
 
 def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
           offload: Optional[bool], only: Optional[Sequence[str]],
-          budget: Union[int, str, None], compile_all: bool,
+          budget: Optional[_search.Budget], compile_all: bool,
           donate_argnums: Sequence[int] = ()) -> RematReport:
   """:func:`remat_report` without a choice, its mistakes named after the
   caller's subject: the reference compiled, or every plan."""
@@ -126,7 +127,7 @@ def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
     _search.check_measurable(args)
   plans = _compile.Candidates(step_fn, args, _search.trace(step_fn, *args),
                                offload=offload, only=only, donate_argnums=donate_argnums)
-  budget_bytes = None if budget is None else _search.parse_bytes(budget)
+  budget_bytes = None if budget is None else budget.bytes
   order = [plans.reference()]
   if compile_all:
     order += [i for i in range(len(plans.plans)) if i != order[0]]

@@ -31,7 +31,7 @@ import functools
 import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 
@@ -89,6 +89,21 @@ def parse_bytes(budget: Union[int, str]) -> int:
   if value < 1:
     raise ValueError(f"budget={budget!r} must be at least one byte.")
   return int(value)
+
+
+class Budget(NamedTuple):
+  """A memory budget, parsed once where it enters the planner.
+
+  ``given`` is the value as the caller wrote it (errors quote it), ``bytes``
+  what it means.
+  """
+  given: Union[int, str]
+  bytes: int
+
+
+def parse_budget(budget: Union[int, str]) -> Budget:
+  """``"48MiB"`` -> ``Budget("48MiB", 50331648)``; see :func:`parse_bytes`."""
+  return Budget(budget, parse_bytes(budget))
 
 
 def format_bytes(n: float) -> str:

@@ -267,7 +267,7 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_pattern.O
         x = checkpointed steps of segment.policy over layers
 
   Args:
-    remat: any ``remat=`` value (alias, policy, :func:`per_depth`, ``"auto"``).
+    remat: the ``remat=`` value as :func:`as_remat` returned it where it entered.
     num_layers: the loop's length.
     kinds: the kinds of block in the loop (one for a stack of one block).
     period: the pattern's length (1 for a stack of one block).
@@ -293,9 +293,9 @@ def plan_loop(remat: Any, num_layers: int, *, kinds: Sequence[str] = (_pattern.O
       nested outer size exceeds its segment's whole periods, or ``"auto"`` is
       used outside a plan.
   """
-  remat = as_remat(remat)
   if isinstance(remat, AutoRemat):
     if _PLANS:
+      # The active plan's answer enters here, so it is normalised here.
       remat = as_remat(_PLANS.innermost().remat_for(remat.key, num_layers, probe or set,
                                                  period=period, looped=looped))
     elif init:
