@@ -421,7 +421,7 @@ def gpt_loss(size: dict[str, int], stack: str, remat: Any, dtype: str):
   if stack == "hk_layer_stack":
     def loss(tokens):
       with model_lib.precision(cfg):   # loss_fn enters it itself
-        embed, head = model_lib.ends(cfg)  # pylint: disable=protected-access
+        embed, head = model_lib.embed_and_head(cfg)
         x = embed(tokens[:, :-1])
         block = lambda x: model_lib.Block(cfg)(x)  # noqa: E731
         if remat is not None:

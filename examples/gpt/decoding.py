@@ -32,7 +32,7 @@ from examples.gpt import data as data_lib
 from examples.gpt.attention import Cache
 from examples.gpt.attention import cache_head_group
 from examples.gpt.model import block_stack
-from examples.gpt.model import ends
+from examples.gpt.model import embed_and_head
 from examples.gpt.model import in_precision
 from examples.gpt.model_config import GPTConfig
 from examples.gpt.model_config import KINDS
@@ -96,7 +96,7 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
   Returns:
     ``(logits [B, T, vocab], new_cache)``.
   """
-  embed, head = ends(cfg)
+  embed, head = embed_and_head(cfg)
   x = embed(tokens, pos)
   if cfg.pattern:
     x, cache = block_stack(cfg, ys_by_kind=True).scan(

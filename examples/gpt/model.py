@@ -196,7 +196,7 @@ def block_stack(cfg: GPTConfig, ys_by_kind: Optional[bool] = None, training: boo
                     unroll=cfg.unroll, name="h", **config)
 
 
-def ends(cfg: GPTConfig):
+def embed_and_head(cfg: GPTConfig):
   """The parts around the stack, ``(embed, head)``: modules built once, here.
 
   Built before they are called, so a 1F1B pipeline (which calls them once
@@ -226,7 +226,7 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
   ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
   ``training`` with ``cfg.layer_drop`` needs an rng.
   """
-  embed, head = ends(cfg)
+  embed, head = embed_and_head(cfg)
   x = embed(tokens)
   stack = block_stack(cfg, training=training)
   stats = None
@@ -256,7 +256,7 @@ def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
   parameters, the loss and its gradients are the same as the plain path's.
   """
   if cfg.pipeline is not None and cfg.pipeline.computes_loss:
-    embed, head = ends(cfg)
+    embed, head = embed_and_head(cfg)
     stack = block_stack(cfg, training=training)
     ends = (embed, lambda x, t: _nll(head(x), t), tokens[:, :-1], tokens[:, 1:])
     if cfg.block == "fold":
