@@ -7,10 +7,10 @@ train ``examples/gpt/train.py`` in subprocesses, and share what is here:
 * :func:`xla_env`: the environment of a run, compiled with XLA's cheap
   settings (``benchmarks/fast_compile.py``: how fast the code compiles, not
   what it computes), on as many virtual CPU devices as asked;
-* a *driver* (:func:`start_driver`): a fresh interpreter that runs
-  ``train.main`` in-process once per spec under absl's flagsaver
-  (:func:`drive`), so that one interpreter pays the JAX import for many
-  runs, with a persistent compilation cache of its own, so that runs share
+* a *driver* (:func:`start_driver`): a fresh interpreter that calls
+  ``train.train(config, workdir)`` in-process once per spec, with no absl
+  flags involved (:func:`drive`), so that one interpreter pays the JAX
+  import for many runs, with a persistent compilation cache of its own, so that runs share
   the programs they have in common;
 * readers of what a run leaves in its workdir.
 
@@ -72,7 +72,10 @@ def cache_env(cache_dir: str) -> dict:
 
 
 def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) -> None:
-  """Runs ``train.main`` once per spec in this process; writes logs and errors.
+  """Runs ``train.train`` once per spec in this process; writes logs and errors.
+
+  A spec's flags (train.py's, by name) become a ``run_config.TrainConfig``
+  and its workdir, as train.py's ``main`` makes them from the command line.
 
   Called in a fresh interpreter (see :func:`start_driver`). Programs that
   several runs share (the init, most evaluations, a resumed run's step)
@@ -88,11 +91,9 @@ def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) 
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   import logging as py_logging  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from examples.gpt import run_config  # pylint: disable=g-import-not-at-top
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  flags.FLAGS(["train"])
   logging.set_verbosity(logging.INFO)
   lines = []
   handler = py_logging.Handler()
@@ -104,9 +105,12 @@ def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) 
   for spec in specs:
     del lines[:]
     error = exit_message = None
+    values = dict(spec["flags"])
+    workdir = values.pop("workdir", "workdir/gpt")   # --workdir's default
+    # The list flags are tuples in the frozen config, as flags.config() makes them.
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     try:
-      with flagsaver.flagsaver(**spec["flags"]):
-        train.main(["train"])
+      train.train(run_config.TrainConfig(**values), workdir)
     except SystemExit as e:
       exit_message = str(e.code)
     except BaseException:  # pylint: disable=broad-except
@@ -137,7 +141,8 @@ def drive_cli(spec_path: str, out_path: str, script: str = TRAIN) -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   if script == SAMPLE:
     from examples.gpt import sample as binary  # pylint: disable=g-import-not-at-top
-    binary.define_flags()   # as sample.py does as __main__
+    from examples.gpt import sample_flags  # pylint: disable=g-import-not-at-top
+    sample_flags.define()   # as sample.py does as __main__
   else:
     from examples.gpt import train as binary  # pylint: disable=g-import-not-at-top
 

@@ -127,12 +127,9 @@ def test_dtype_is_checked():
 def _train_loop_records(monkeypatch, **flag_values):
   """Runs train_loop for 4 steps of 1 s each (a fake clock); returns the
   records and the logged lines."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
+  from examples.gpt import run_config  # pylint: disable=g-import-not-at-top
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
   now, lines = [0.0], []
   monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
   monkeypatch.setattr(train.logging, "info", lambda fmt, *a: lines.append(fmt % a if a else fmt))
@@ -142,14 +139,14 @@ def _train_loop_records(monkeypatch, **flag_values):
     now[0] += 1.0
     return params, opt_state, jnp.float32(2.5), None
 
+  config = run_config.TrainConfig(log_every=4, eval_every=100, batch_size=2, seq_len=3,
+                                  **flag_values)
   run = SimpleNamespace(
-      cfg=tiny(seq_len=3), params={"w": np.zeros(10, np.float32)}, opt_state={},
+      config=config, cfg=tiny(seq_len=3), params={"w": np.zeros(10, np.float32)}, opt_state={},
       start_step=0, last_step=4, records=[], is_chief=False, metrics_path=None,
       compiled_step=step, batches=SimpleNamespace(next=lambda: np.zeros((2, 4), np.int32)),
       evaluate=lambda params: 3.0, save_checkpoint=lambda *args: None)
-  with flagsaver.flagsaver(log_every=4, eval_every=100, batch_size=2, seq_len=3,
-                           **flag_values):
-    train.train_loop(run)
+  train.train_loop(run)
   return [r for r in run.records if "tokens_per_s" in r], lines
 
 

@@ -1,7 +1,7 @@
 """Tests for the GPT example (examples/gpt): training, resume, decoding, CLI.
 
-Training runs go through ``train.main`` in-process under absl's ``flagsaver``,
-batched into two driver subprocesses (``gpt_driver.drive``), which start
+Training runs go through ``train.train(config, workdir)`` in-process, batched
+into two driver subprocesses (``gpt_driver.drive``), which start
 with this module's other subprocesses in the background when the tests are
 collected (``tests/background.py``, ``BACKGROUND``: this module runs last,
 its subprocesses at the lowest priority, on the CPU the other tests leave
@@ -190,7 +190,7 @@ def can_create_file_in(folder: str) -> bool:
 def remat_candidates_example() -> str:
   """The example in --remat_candidates' help."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from examples.gpt import train  # pylint: disable=g-import-not-at-top,unused-import
+  from examples.gpt import flags as train_flags  # pylint: disable=g-import-not-at-top,unused-import
   return flags.FLAGS["remat_candidates"].help.split("e.g. '", 1)[1].split("'", 1)[0]
 
 
@@ -1028,12 +1028,9 @@ def test_logged_tokens_per_s_leaves_out_evaluation_and_checkpoints(monkeypatch):
   window. The window after an evaluation once counted its steps over only
   the time since the evaluation (twice the tokens/s)."""
   from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
+  from examples.gpt import run_config  # pylint: disable=g-import-not-at-top
   from examples.gpt import train  # pylint: disable=g-import-not-at-top
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
   now = [0.0]
   monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
 
@@ -1046,15 +1043,15 @@ def test_logged_tokens_per_s_leaves_out_evaluation_and_checkpoints(monkeypatch):
     return params, opt_state, takes(1.0, jnp.float32(2.5)), None
 
   batch_size, seq_len = 2, 3
+  config = run_config.TrainConfig(log_every=4, eval_every=6, checkpoint_every=5,
+                                  batch_size=batch_size, seq_len=seq_len)
   run = SimpleNamespace(
-      params={}, opt_state={}, start_step=0, last_step=12, records=[],
+      config=config, params={}, opt_state={}, start_step=0, last_step=12, records=[],
       is_chief=False, metrics_path=None, compiled_step=step,
       batches=SimpleNamespace(next=lambda: np.zeros((batch_size, seq_len + 1), np.int32)),
       evaluate=lambda params: takes(100.0, 3.0),
       save_checkpoint=lambda step, params, opt_state: takes(50.0))
-  with flagsaver.flagsaver(log_every=4, eval_every=6, checkpoint_every=5,
-                           batch_size=batch_size, seq_len=seq_len):
-    train.train_loop(run)
+  train.train_loop(run)
   logged = [r for r in run.records if "tokens_per_s" in r]
   assert [r["step"] for r in logged] == [4, 8, 12]
   assert [r["step"] for r in run.records if "valid_loss" in r] == [6, 12]
