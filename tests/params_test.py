@@ -187,7 +187,11 @@ def test_nested_blockseq_init_is_unstacked_stacked_init():
   expected = st.unstack_params(stacked, "outer")
   for i in range(2):
     expected = st.unstack_params(expected, f"outer/layer_{i}/inner")
-  _assert_equal(seq, expected)
+  # As in stacked_test: the same vmapped draws, which XLA's cheapest CPU code
+  # generation (conftest.py) may round one ulp apart in the two programs.
+  assert _signature(seq) == _signature(expected)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-7, atol=0),
+               seq, expected)
 
 
 # ---------------------------------------------------------------------------

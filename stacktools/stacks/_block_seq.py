@@ -7,9 +7,10 @@ to compare compile time and memory against :class:`Stacked`;
 :func:`unstack_params` and :func:`stack_params` convert parameters between
 the two layouts.
 
-Layer ``i`` is initialised from the ``i``-th of the same per-layer keys that
-Stacked draws, and applied with the same per-layer rng, so a BlockSeq given
-unstacked parameters reproduces Stacked exactly, dropout included.
+Layer ``i`` is initialised as Stacked initialises it (one vmapped init over
+the layers, from the same per-layer keys, on the stack's input) and applied
+with the same per-layer rng, so a BlockSeq's parameters are Stacked's,
+unstacked, and given them it reproduces Stacked exactly, dropout included.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ PyTree = Any
 class _Layer(hk.Module):
   """The scope of one layer's parameters: ``<seq name>/layer_<i>``."""
 
-  def __call__(self, inner, x, sliced, *, index, init_key, rng, step, policy):
-    params, state, updater = _layer_step.lift_layer(inner, init_key, x, sliced, index)
+  def __call__(self, x, sliced, *, initial, index, rng, step, policy):
+    params, state, updater = _layer_step.lift_layer(initial)
     layer = _layer_step.LayerSlice(params=params, state=state, rng=rng,
                                    sliced=sliced, index=index)
     x, result = policy.checkpoint_step(step, looped=False)(x, layer)
@@ -110,15 +111,17 @@ class BlockSeq(_stack_module.StackModule):
         probe=lambda: _layer_step.names_tagged_in_steps(
             steps, inners, x, arguments, pattern, keys),
         tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments), looped=False)
+    initial = _initial_layers(inners, x, arguments, pattern, keys) if hk.running_init() else None
     ys, writes = [None] * n, [None] * n
     for segment in plan.in_order():
       layers = range(segment.start, segment.start + segment.length)
       for i in (reversed(layers) if self.reverse else layers):
         kind = pattern.kind_of(i)
         x, ys[i], writes[i] = _Layer(name=f"layer_{i}")(
-            inners[kind], x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
+            x, pattern.layer_inputs(arguments.sliced, arguments.by_kind, i),
+            initial=None if initial is None else jax.tree_util.tree_map(
+                lambda a, rank=pattern.rank(i): a[rank], initial[kind]),
             index=jnp.asarray(i, jnp.int32),
-            init_key=None if keys.init is None else keys.init[i],
             rng=None if keys.apply is None else keys.apply[i], step=steps[kind],
             policy=segment.steps[kind].outside_loop())
     if mode == "fold":
@@ -134,3 +137,21 @@ class BlockSeq(_stack_module.StackModule):
                                        *[writes[i] for i in pattern.layer_ids(kind)])
           for kind in pattern.names}, pattern)
     return x, ys
+
+
+def _initial_layers(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
+                    arguments: _arguments.BlockArguments, pattern: _pattern.Pattern,
+                    keys: _layer_step.LayerKeys) -> dict[str, tuple[PyTree, PyTree]]:
+  """``{kind: (params, state)}`` of each kind's layers, stacked in kind order,
+  from one vmapped init per kind, exactly as :class:`Stacked` initialises
+  them (the same keys, each layer on the stack's input ``x``)."""
+  initial = {}
+  for kind in pattern.names:
+    ids = pattern.layer_ids(kind)
+    initial[kind] = _layer_step.init_layers(
+        inners[kind], None if keys.init is None else keys.init[ids], x,
+        pattern.kind_inputs(arguments.sliced, arguments.by_kind, kind),
+        jnp.asarray(ids, jnp.int32))
+  # Drawn whole, then sliced: without the barrier XLA fuses each layer's
+  # slice into the draw and may round a value differently from Stacked's.
+  return jax.lax.optimization_barrier(initial)
