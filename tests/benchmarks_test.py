@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import background
@@ -41,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks import accelerator  # pylint: disable=wrong-import-position
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import decode  # pylint: disable=wrong-import-position
+from benchmarks import device_profile  # pylint: disable=wrong-import-position
 from benchmarks import depth_edits  # pylint: disable=wrong-import-position
 from benchmarks import fast_compile  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
@@ -51,6 +53,8 @@ from benchmarks import mixed_layers  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
 from benchmarks import pipeline  # pylint: disable=wrong-import-position
 from benchmarks import remat_plan  # pylint: disable=wrong-import-position
+from benchmarks import scan_gap  # pylint: disable=wrong-import-position
+from benchmarks import stash_mlp  # pylint: disable=wrong-import-position
 from benchmarks import step_time  # pylint: disable=wrong-import-position
 
 COMMON_KEYS = {"benchmark", "question", "command", "quick", "config", "summary",
@@ -351,6 +355,65 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
   assert summary["nanogpt"]["final_valid_loss"] == pytest.approx(3 - steps / 100)
   assert summary["ours_over_nanogpt"]["valid_loss_no_worse"] is True
   assert "**2.00x**" in result["markdown"]
+
+
+def test_scan_gap_quick():
+  benchmark, folder = _quick(scan_gap)
+  name = f"scan_gap_{accelerator.device_slug()}"
+  result = json.loads((folder / f"{name}.json").read_text())
+  assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == name
+  # Every stack, remat and unroll at each batch, measured.
+  runs = {(r["label"], r["batch"]): r for r in result["gpt"]["runs"]}
+  batch = scan_gap.SIZES["quick"]["batches"][0]
+  assert set(runs) == {(label, batch) for label, *_ in scan_gap.RUNS}
+  for run in runs.values():
+    for key in ("step_s", "temp_bytes", "compile_s"):
+      assert _positive_number(run[key]), (key, run)
+  assert runs[("Stacked, none, unroll=2", batch)]["unroll"] == 2
+  # Each profiled pair compared (a CPU's trace has no device line: empty tables).
+  assert set(result["gpt"]["profiles"]) == {f"{a} vs {b}" for a, b in scan_gap.PROFILED}
+  for pair in result["gpt"]["profiles"].values():
+    assert "scanned_minus_unrolled_ms" in pair and len(pair) == 4
+  # The init of both stacks, phase by phase; the unrolled one has a leaf per layer.
+  init = {r["stack"]: r for r in result["init"]["runs"]}
+  assert set(init) == {"scan", "unrolled"}
+  for record in init.values():
+    assert _positive_number(record["total_s"]), record
+  assert init["unrolled"]["leaves"] > init["scan"]["leaves"]
+  for ratios in (v for k, v in result["summary"].items() if "/ unrolled" in k):
+    assert all(_positive_number(v) for v in ratios.values()), ratios
+
+
+def test_device_profile_reads_the_compiled_hlo():
+  """Each instruction's kind, output shape and whether it holds a matmul,
+  from the compiled text; the tables of two programs subtracted."""
+  def f(w, x):
+    return jnp.tanh(x @ w).sum()
+  compiled = jax.jit(jax.grad(f)).lower(jnp.ones((4, 16, 32)), jnp.ones((8, 16))).compile()
+  ops = device_profile.hlo_ops(compiled.as_text())
+  matmuls = [op for op in ops.values() if op["matmul"]]
+  assert matmuls and all(op["shape"].startswith("f32[") for op in matmuls)
+  assert not any(op["matmul"] for op in ops.values() if op["opcode"] in ("constant", "parameter"))
+  rows = device_profile.difference({"copy -> f32[24,8]": 3.0, "fusion -> f32[8]": 1.0},
+                                   {"copy -> f32[8]": 1.0, "fusion -> f32[8]": 1.5},
+                                   key=device_profile.without_layers_axis(24))
+  assert rows == [{"op": "copy -> f32[8]", "a": 3.0, "b": 1.0, "diff": 2.0},
+                  {"op": "fusion -> f32[8]", "a": 1.0, "b": 1.5, "diff": -0.5}]
+
+
+def test_stash_mlp_quick():
+  benchmark, folder = _quick(stash_mlp)
+  result = json.loads((folder / "stash_mlp.json").read_text())
+  assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == "stash_mlp"
+  # In float32 every variant's gradients are the loop's: the hand-written
+  # backward passes, and the in-place kernels (in interpret mode here).
+  assert set(result["float32_check"]) == set(stash_mlp.VARIANTS[1:])
+  for variant, error in result["float32_check"].items():
+    assert error <= 1e-5, (variant, error)
+  runs = {r["label"]: r for r in result["runs"]}
+  assert list(runs) == list(stash_mlp.VARIANTS)
+  for run in runs.values():
+    assert _positive_number(run["step_s"]) and run["grads_error"] <= 5e-2, run
 
 
 def test_accelerator_quick():
