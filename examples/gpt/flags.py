@@ -17,6 +17,8 @@ is registered on the flags it reads.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any, Callable, Optional
 
 from absl import flags
@@ -31,97 +33,113 @@ from examples.gpt import step as step_lib
 from examples.gpt.run_config import DEFAULT_WINDOW
 from examples.gpt.run_config import TrainConfig
 
+
+def _help_owner(binary: str) -> Optional[str]:
+  """The module absl files these flags under: ``sys.argv[0]`` while ``binary``
+  (a file beside this one) runs as the program, so that its --helpshort and
+  --helpfull list them as its own, as when it defined them itself; else None
+  (absl's default: this module)."""
+  main = getattr(sys.modules.get("__main__"), "__file__", None)
+  here = os.path.dirname(os.path.abspath(__file__))
+  if main and os.path.abspath(main) == os.path.join(here, binary):
+    return sys.argv[0]
+  return None
+
+
+#: Where absl files the flags: train.py's own help, when it is the program.
+_OWNER = dict(module_name=_help_owner("train.py"))
+
 flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
     f"{', '.join(st.CheckpointPolicy.ALIASES)}; 'auto' (planned under --memory_budget); or "
     "per-depth segments alias:layers, e.g. none:2,full:6 (the layers add up to "
-    "--num_layers).")
+    "--num_layers).", **_OWNER)
 flags.DEFINE_string(
     "memory_budget", None, "With --remat=auto: the most compiled temp memory of "
-    "the train step, e.g. 48MiB or bytes; the fastest plan within it is used.")
+    "the train step, e.g. 48MiB or bytes; the fastest plan within it is used.", **_OWNER)
 # Space-separated: a per-depth candidate (none:2,full:2) holds commas.
 flags.DEFINE_spaceseplist(
     "remat_candidates", None, "With --remat=auto: plan among these candidates "
     "only, separated by spaces (e.g. 'full nested save:mlp_hidden none:2,full:2'), "
-    "to plan faster; default: every alias, every tagged name and per-depth mixes.")
+    "to plan faster; default: every alias, every tagged name and per-depth mixes.", **_OWNER)
 flags.DEFINE_list(
     "save_names", None, "Checkpoint names to keep on top of --remat full, "
     f"nested or offload (of {', '.join(model_config.CHECKPOINT_NAMES)}). Default: "
     f"{','.join(model_config.KEPT_MATMUL_OUTPUTS)}, the outputs of every matmul "
     "but the attention scores, so the backward pass recomputes no projection; "
-    "--save_names= (empty) recomputes everything but the carries.")
+    "--save_names= (empty) recomputes everything but the carries.", **_OWNER)
 flags.DEFINE_integer(
     "nested_outer", None, "Outer-loop size for --remat=nested (default: the "
-    "split that keeps the fewest carries).", lower_bound=1)
+    "split that keeps the fewest carries).", lower_bound=1, **_OWNER)
 flags.DEFINE_enum("block", "fold", ("fold", "scan"),
-                  "fold: blocks return x; scan: blocks return (x, per-layer stats).")
+                  "fold: blocks return x; scan: blocks return (x, per-layer stats).", **_OWNER)
 flags.DEFINE_enum("stack", "scan", ("scan", "unrolled"),
-                  "scan: st.Stacked; unrolled: st.BlockSeq (a Python loop).")
-flags.DEFINE_integer("unroll", 1, "Layers per rolled scan iteration.", lower_bound=1)
+                  "scan: st.Stacked; unrolled: st.BlockSeq (a Python loop).", **_OWNER)
+flags.DEFINE_integer("unroll", 1, "Layers per rolled scan iteration.", lower_bound=1, **_OWNER)
 flags.DEFINE_string(
     "pattern", "", "Mixed layers: the kinds of one period of the stack, one letter "
     "per layer, repeated: L (causal attention over the last --window positions) or "
-    "G (full causal attention), e.g. LLLG. Default: one kind of block, global.")
+    "G (full causal attention), e.g. LLLG. Default: one kind of block, global.", **_OWNER)
 flags.DEFINE_integer(
     "window", None, "Positions (its own included) an L layer of --pattern attends "
     "to; decoding keeps a ring cache this long for each L layer. Default: "
-    f"{DEFAULT_WINDOW}.", lower_bound=1)
-flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1)
-flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1)
-flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1)
+    f"{DEFAULT_WINDOW}.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("num_layers", 4, "Transformer blocks.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("num_heads", 4, "Attention heads.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("d_model", 128, "Residual stream width.", lower_bound=1, **_OWNER)
 flags.DEFINE_bool("bias", True, "Biases in the linear layers and layer "
-                  "norms (--nobias: none, as nanoGPT's default).")
+                  "norms (--nobias: none, as nanoGPT's default).", **_OWNER)
 flags.DEFINE_enum(
     "dtype", "float32", model_config.DTYPES, "Compute dtype. float32 is right on a "
     "CPU (its bfloat16 matmuls are no faster); bfloat16 on an accelerator (TPU or "
     "GPU): mixed precision through Haiku's jmp policies, with the parameters, "
     "the optimizer state, the layer-norm statistics, the attention softmax and "
-    "the loss in float32. Not part of the checkpoint: a run resumes under either.")
+    "the loss in float32. Not part of the checkpoint: a run resumes under either.", **_OWNER)
 flags.DEFINE_enum(
     "attention", "auto", model_config.ATTENTIONS, "How the blocks attend while "
     "training: xla (XLA's attention), splash (the Pallas TPU kernel, which never "
     "forms the [T, T] scores; 2.4x faster at T=1024 on a TPU v5e) or auto (splash "
     "on a single TPU chip for --block=fold when --seq_len is a multiple of 128, "
     "else xla: XLA cannot split the kernel over several devices). Not part of "
-    "the checkpoint.")
-flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1)
-flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1)
+    "the checkpoint.", **_OWNER)
+flags.DEFINE_integer("seq_len", 64, "Characters per training sequence.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("batch_size", 16, "Sequences per step.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer(
     "grad_accum", 1, "Microbatches each step's batch is cut into, their gradients averaged before "
-    "the one update: less memory; on an accelerator, the update's cost over more tokens.", lower_bound=1)
-flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1)
+    "the one update: less memory; on an accelerator, the update's cost over more tokens.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("steps", 600, "Training steps.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer(
     "stop_after", None, "Stop after this step, evaluating and checkpointing it, "
     "while the learning-rate schedule still spans --steps; a later --resume run "
     "with the same --steps continues exactly where this one stopped (default: "
-    "run all --steps).", lower_bound=1)
-flags.DEFINE_float("learning_rate", 2e-3, "Peak learning rate.", lower_bound=0.0)
-flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.", lower_bound=0)
-flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0)
-flags.DEFINE_float("grad_clip", 1.0, "Global gradient-norm clip (0: off).", lower_bound=0.0)
+    "run all --steps).", lower_bound=1, **_OWNER)
+flags.DEFINE_float("learning_rate", 2e-3, "Peak learning rate.", lower_bound=0.0, **_OWNER)
+flags.DEFINE_integer("warmup_steps", 50, "Linear warmup steps.", lower_bound=0, **_OWNER)
+flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.", lower_bound=0.0, **_OWNER)
+flags.DEFINE_float("grad_clip", 1.0, "Global gradient-norm clip (0: off).", lower_bound=0.0, **_OWNER)
 flags.DEFINE_enum(
     "optimizer", "adamw", optimizer_lib.OPTIMIZERS, "adamw: AdamW on every parameter. "
     "muon: Muon (optax.contrib.muon) on each block's weight matrices, one layer "
     "at a time (st.over_layers), and AdamW on the rest (embeddings, head, "
-    "norms, biases), as modded-nanoGPT does.")
+    "norms, biases), as modded-nanoGPT does.", **_OWNER)
 flags.DEFINE_float(
     "muon_learning_rate", 0.02, "With --optimizer=muon: the peak learning rate of "
-    "the Muon matrices (the warmup and decay of --learning_rate).", lower_bound=0.0)
+    "the Muon matrices (the warmup and decay of --learning_rate).", lower_bound=0.0, **_OWNER)
 flags.DEFINE_float(
     "layer_lr_decay", 1.0, "Layer-wise learning-rate decay: the updates of block "
     "i of L are scaled by this to the power L - 1 - i (the last block by 1), "
-    "e.g. 0.8 for fine-tuning; 1: none.")
+    "e.g. 0.8 for fine-tuning; 1: none.", **_OWNER)
 flags.DEFINE_string(
     "freeze_layers", "", "A:B: blocks A to B-1 do not train (a zero update, no "
-    "weight decay, their optimizer state unchanged), e.g. 0:2. Default: none.")
+    "weight decay, their optimizer state unchanged), e.g. 0:2. Default: none.", **_OWNER)
 flags.DEFINE_float(
     "layer_drop", 0.0, "Stochastic depth while training: the last block's drop "
     "rate, linear in depth (block i of L skips with probability rate * (i + 1) / L); "
-    "evaluation and sampling run every block. 0: none.")
+    "evaluation and sampling run every block. 0: none.", **_OWNER)
 flags.DEFINE_string(
     "init_from", None, "An earlier run's --workdir: start from the parameters of its "
     "latest checkpoint (fine-tuning), at this run's --num_layers through "
-    "--depth_map. The other model flags must be that run's.")
+    "--depth_map. The other model flags must be that run's.", **_OWNER)
 flags.DEFINE_string(
     "depth_map", None, "With --init_from, how its N blocks become this run's "
     "--num_layers: repeat (each block in place: 0 0 1 1; the lower blocks take any "
@@ -129,44 +147,44 @@ flags.DEFINE_string(
     "again: 0 1 0 1), zero_new (fresh blocks after the old ones, their residual "
     "outputs zero: the model computes what it did), or take:I,J,... (the blocks to "
     "keep, in order; 'new' for a fresh one), e.g. take:0,1,2,5. With --pattern, "
-    "repeat, stack and zero_new move whole periods. Default: the same blocks.")
+    "repeat, stack and zero_new move whole periods. Default: the same blocks.", **_OWNER)
 flags.DEFINE_enum(
     "init_opt_state", "fresh", ("fresh", "mapped"), "With --init_from: fresh (a "
     "new run from its first step, with a new optimizer state), or mapped (the checkpoint's "
     "optimizer state, its blocks' rows mapped as the parameters are, and its step, "
-    "schedule and data order: the run goes on from that step, e.g. deeper).")
-flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1)
-flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.")
-flags.DEFINE_string("workdir", "workdir/gpt", "Where metrics, checkpoints and plots go.")
+    "schedule and data order: the run goes on from that step, e.g. deeper).", **_OWNER)
+flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1, **_OWNER)
+flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.", **_OWNER)
+flags.DEFINE_string("workdir", "workdir/gpt", "Where metrics, checkpoints and plots go.", **_OWNER)
 flags.DEFINE_integer(
-    "checkpoint_every", 0, "Steps between checkpoints (0: only at the end).", lower_bound=0)
+    "checkpoint_every", 0, "Steps between checkpoints (0: only at the end).", lower_bound=0, **_OWNER)
 flags.DEFINE_bool("resume", False, "Continue from the latest committed "
-                  "checkpoint in --workdir, on any --mesh.")
+                  "checkpoint in --workdir, on any --mesh.", **_OWNER)
 flags.DEFINE_integer(
     "keep_checkpoints", 3, "Checkpoints kept in --workdir/checkpoints (the latest "
-    "steps; older ones are deleted).", lower_bound=1)
+    "steps; older ones are deleted).", lower_bound=1, **_OWNER)
 flags.DEFINE_string(
     "export_npz", "", "After training, also write the final parameters to this "
     "path as one .npz (np.load(path, allow_pickle=False); keys like "
-    "'h/block/fc/w'), gathered onto process 0. Default: no export.")
-flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1)
+    "'h/block/fc/w'), gathered onto process 0. Default: no export.", **_OWNER)
+flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1, **_OWNER)
 flags.DEFINE_float(
     "peak_flops", None, "One device's peak FLOP/s, for the model TFLOP/s and MFU "
     "that the log lines show beside tokens/s (e.g. 197e12). Default: the dense "
     "bfloat16 peak of the device kind (PEAK_FLOPS: TPU v4, v5e, v5p, v6e, A100, "
-    "H100); other devices, a CPU among them, show neither.", lower_bound=0.0)
+    "H100); other devices, a CPU among them, show neither.", lower_bound=0.0, **_OWNER)
 flags.DEFINE_string(
     "data_path", None, "A UTF-8 text file to train on (default: this Python's "
-    "standard-library sources).")
+    "standard-library sources).", **_OWNER)
 flags.DEFINE_integer(
     "sample_tokens", 200, "Characters to generate with the KV cache after training.",
-    lower_bound=0)
-flags.DEFINE_string("sample_prompt", "def ", "Prompt for the sample.")
+    lower_bound=0, **_OWNER)
+flags.DEFINE_string("sample_prompt", "def ", "Prompt for the sample.", **_OWNER)
 flags.DEFINE_string(
     "mesh", "", "Device mesh as axis:size pairs over the axes pipe (pipeline "
     "stages, with --pipeline), data (batch) and fsdp (parameters), e.g. "
-    "data:4,fsdp:2 or pipe:4,data:2; default: every device on data.")
+    "data:4,fsdp:2 or pipe:4,data:2; default: every device on data.", **_OWNER)
 flags.DEFINE_enum(
     "pipeline", "none", ("none", "gpipe", "circular", "1f1b", "interleaved", "zb"),
     "Run the block stack as a pipeline over the mesh's pipe axis: gpipe (each "
@@ -178,22 +196,22 @@ flags.DEFINE_enum(
     "or zb (ZB-H1: 1f1b with the weight gradients put off to fill the "
     "bubble). Needs a pipe "
     "axis in --mesh; a pipe axis larger than 1 needs a pipeline. none: no "
-    "pipeline.")
+    "pipeline.", **_OWNER)
 flags.DEFINE_integer(
     "microbatches", None, "With --pipeline: the pieces each step's batch is cut "
     "into, which move through the stages one after another; --batch_size must "
     "divide by it times the data axis, and every schedule but gpipe needs at "
-    "least the pipe axis size. Default: the pipe axis size.", lower_bound=1)
+    "least the pipe axis size. Default: the pipe axis size.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer(
     "pipeline_repeats", None, "With --pipeline=circular or interleaved: how many chunks of "
     "layers each stage holds (a microbatch passes the stages this many times); "
     "--num_layers must divide by it times the pipe axis. Default: 1.",
-    lower_bound=1)
+    lower_bound=1, **_OWNER)
 flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, for --num_processes > 1.")
-flags.DEFINE_integer("num_processes", 1, "Processes in the run.", lower_bound=1)
+    "coordinator_address", None, "host:port of process 0, for --num_processes > 1.", **_OWNER)
+flags.DEFINE_integer("num_processes", 1, "Processes in the run.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer("process_id", None, "This process's index, "
-                     "0..--num_processes-1.", lower_bound=0)
+                     "0..--num_processes-1.", lower_bound=0, **_OWNER)
 
 
 def _validate(names: list[str], check: Callable[..., None]) -> None:

@@ -7,11 +7,7 @@ The prompt is prefilled in one call; then each new character is decoded alone,
 its keys and values written into the whole cache, which enters the stack as
 ``st.per_layer(cache, in_place=True)`` and is updated where it lies: the
 compiled step takes the cache donated, and picks the next character on the
-device, so the host only dispatches one call per character (``decoding.py``).
-
-``main`` reads the flags (``sample_flags.py``) into one frozen config and
-hands it to :func:`sample`; from Python, call :func:`sample` with a
-``run_config.SampleConfig`` of your own.
+device, so the host only dispatches one call per character.
 """
 
 from __future__ import annotations
@@ -93,6 +89,7 @@ def sample(config: SampleConfig) -> list[str]:
     sys.exit(f"error: {e}")
 
 
+# The flags are read once, here, into one frozen config (sample_flags.py).
 def main(argv: Sequence[str]) -> None:
   del argv
   print(f"\n{SEPARATOR}\n".join(sample(sample_flags.config())))

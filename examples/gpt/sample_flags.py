@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+from typing import Optional
 
 from absl import flags
 
@@ -21,9 +24,21 @@ from examples.gpt import model_config
 from examples.gpt.run_config import SampleConfig
 
 
+def _help_owner(binary: str) -> Optional[str]:
+  """The module absl files these flags under: ``sys.argv[0]`` while ``binary``
+  (a file beside this one) runs as the program, so that its --helpshort and
+  --helpfull list them as its own, as when it defined them itself; else None
+  (absl's default: this module)."""
+  main = getattr(sys.modules.get("__main__"), "__file__", None)
+  here = os.path.dirname(os.path.abspath(__file__))
+  if main and os.path.abspath(main) == os.path.join(here, binary):
+    return sys.argv[0]
+  return None
+
+
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   """Defines sample.py's flags in ``flag_values`` (absl's own: once per process)."""
-  fv = dict(flag_values=flag_values)
+  fv = dict(flag_values=flag_values, module_name=_help_owner("sample.py"))
   flags.DEFINE_string("workdir", "workdir/gpt", "Folder that train.py wrote its "
                       "checkpoints to (the latest committed step is used).", **fv)
   flags.DEFINE_string("prompt", "def ", "Text to continue.", **fv)
@@ -31,7 +46,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_float("temperature", 0.8, "0 for greedy.", lower_bound=0.0, **fv)
   flags.register_validator(
       "temperature", math.isfinite,
-      message="--temperature must be a finite number >= 0 (0: greedy), e.g. 0.8.", **fv)
+      message="--temperature must be a finite number >= 0 (0: greedy), e.g. 0.8.",
+      flag_values=flag_values)
   flags.DEFINE_integer("top_k", 0, "Sample among the K likeliest characters "
                        "(0: off); at most the vocabulary's size.", lower_bound=0, **fv)
   flags.DEFINE_integer("num_samples", 1, "Continuations of the prompt, decoded "

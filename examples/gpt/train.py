@@ -28,10 +28,6 @@ candidate and the chosen plan, and remat_plan-<hash>.json, the plan that a
 its own shards, the last --keep_checkpoints kept); a start removes what a
 killed run's writes left there. --export_npz also writes the final parameters
 as one .npz.
-
-``main`` reads the flags (``flags.py``) into one frozen config and hands it to
-:func:`train`; from Python, call :func:`train` with a
-``run_config.TrainConfig`` of your own, no absl flags involved.
 """
 
 from __future__ import annotations
@@ -167,6 +163,8 @@ def train(config: TrainConfig, workdir: str) -> Any:
   return params
 
 
+# The flags are read once, here, into one frozen config (flags.py); the
+# module docstring above is the binary's usage message.
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments {argv[1:]}; every option is a --flag.")
