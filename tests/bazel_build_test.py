@@ -171,6 +171,38 @@ def test_every_file_named_in_build_exists(rules):
         assert label in files, f":{name} {attr} names {label}, which is missing"
 
 
+def _docs_read_by(test_file):
+  """The files under docs/ that ``test_file`` names as os.path.join(...,
+  "docs", "a", "b.md") (each literal after "docs" a path component)."""
+  with open(os.path.join(ROOT, test_file), encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  found = set()
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "join"):
+      continue
+    parts = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+             for a in node.args]
+    if "docs" in parts:
+      rest = parts[parts.index("docs"):]
+      if None not in rest and len(rest) > 1:
+        found.add("/".join(rest))
+  return found
+
+
+def test_every_docs_file_a_test_reads_is_its_data(rules):
+  # Under Bazel a test sees only its declared files: a page it opens that
+  # its target does not declare fails there (house_test and
+  # over_layers_test once did), while pytest on the checkout passes.
+  support = set(rules["test_support"].attrs.get("data", []))
+  for test_file in _files("tests/*_test.py"):
+    target = rules[test_file[len("tests/"):-len(".py")]]
+    declared = set(target.attrs.get("data", [])) | support
+    missing = sorted(_docs_read_by(test_file) - declared)
+    assert not missing, (
+        f"{test_file} reads {missing}, which its py_test does not declare: add "
+        f"them to its entry of _TEST_DATA in BUILD.")
+
+
 _IMPORT_TEST_MODULE = re.compile(r"\bimport\s+(\w+_test)\b|\bfrom\s+(\w+_test)\s+import\b")
 
 
