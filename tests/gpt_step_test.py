@@ -5,6 +5,8 @@ what one step over the whole batch gives: the same loss, per-layer stats,
 gradients and so the same parameters after the update.
 """
 
+import dataclasses
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -45,13 +47,31 @@ def test_grad_accum_gives_the_whole_batch_step(block):
   assert max(jax.tree_util.tree_leaves(moved)) > 1e-3
 
 
+def test_grad_accum_with_layer_drop_is_the_whole_batch_step():
+  # layer_drop=0.5 over 4 layers skips some of them at every step; the
+  # microbatches once drew their own drops (step-2 loss 4.5849 against
+  # 4.7330): now they share the whole batch's, so the step is that batch's.
+  cfg = model_config.GPTConfig(vocab_size=13, seq_len=8, num_layers=4, num_heads=2,
+                               d_model=16, remat="full", layer_drop=0.5)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 9), 0, 13)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  whole = _step_outputs(1, cfg, tokens, optimizer)
+  for grad_accum in (2, 4):
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        _step_outputs(grad_accum, cfg, tokens, optimizer), whole)
+  # The drops matter: without them the step is another one.
+  kept = _step_outputs(1, dataclasses.replace(cfg, layer_drop=0.0), tokens, optimizer)
+  assert abs(float(kept[2]) - float(whole[2])) > 1e-4
+
+
 def test_grad_accum_microbatches_take_every_kth_sequence():
   """Microbatch ``m`` holds sequences ``m, m + k, ...``: each then takes its
   share of every data shard of the batch's rows."""
   seen = []
 
-  def loss(params, tokens, training):
-    del training
+  def loss(params, tokens, training, seed=None):
+    del training, seed
     jax.debug.callback(lambda t: seen.append(np.asarray(t)), tokens)
     return jnp.sum(params["w"]) * jnp.mean(tokens.astype(jnp.float32)), None
 

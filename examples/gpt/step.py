@@ -26,12 +26,21 @@ from examples.gpt import model as model_lib
 from examples.gpt import model_config
 
 
+def batch_seed(tokens: jax.Array) -> jax.Array:
+  """The seed of a step's layer drops: a hash of its whole batch (uint32),
+  position-weighted (odd multipliers mod 2^32)."""
+  weights = jnp.arange(1, 2 * tokens.size, 2, dtype=jnp.uint32).reshape(tokens.shape)
+  return jnp.sum(tokens.astype(jnp.uint32) * weights * jnp.uint32(2654435761))
+
+
 def transform(cfg: model_config.GPTConfig) -> hk.Transformed:
-  """The model's loss: ``(params, tokens, training=False) -> (loss, stats)``.
+  """The model's loss: ``(params, tokens, training=False, seed=None) -> (loss, stats)``.
 
   While ``training``, ``cfg.layer_drop`` skips blocks at random, with a key
-  drawn from the batch itself: a resumed run skips the blocks an
-  uninterrupted one would, with no key to pass or checkpoint.
+  drawn from ``seed``, by default the batch's own (:func:`batch_seed`): a
+  resumed run skips the blocks an uninterrupted one would, with no key to
+  pass or checkpoint. A microbatch is given its whole batch's seed, so that
+  every microbatch of a step skips the same blocks.
 
   Example::
 
@@ -39,13 +48,11 @@ def transform(cfg: model_config.GPTConfig) -> hk.Transformed:
     params = model.init(jax.random.PRNGKey(0), tokens)
     loss, stats = model.apply(params, tokens, training=True)
   """
-  def loss(tokens, training=False):
+  def loss(tokens, training=False, seed=None):
     if not (training and cfg.layer_drop):
       return model_lib.loss_fn(cfg, tokens)
-    # A hash of the tokens, position-weighted (odd multipliers mod 2^32).
-    weights = jnp.arange(1, 2 * tokens.size, 2, dtype=jnp.uint32).reshape(tokens.shape)
-    digest = jnp.sum(tokens.astype(jnp.uint32) * weights * jnp.uint32(2654435761))
-    with hk.with_rng(jax.random.fold_in(jax.random.PRNGKey(0), digest)):
+    seed = batch_seed(tokens) if seed is None else seed
+    with hk.with_rng(jax.random.fold_in(jax.random.PRNGKey(0), seed)):
       return model_lib.loss_fn(cfg, tokens, training=True)
 
   return hk.without_apply_rng(hk.transform(loss))
@@ -78,7 +85,9 @@ def make_train_step(model: hk.Transformed, optimizer: optax.GradientTransformati
   of every data shard), whose gradients are computed one after another
   (``lax.scan``) and averaged before the one optimizer update: the loss and
   gradients of the whole batch, with the activations of one microbatch at a
-  time, and the update's cost spread over more tokens.
+  time, and the update's cost spread over more tokens. Layer drops are drawn
+  once per step, from the whole batch (:func:`batch_seed`), and shared by its
+  microbatches: the same blocks skip as in the step over the whole batch.
 
   Example::
 
@@ -86,13 +95,17 @@ def make_train_step(model: hk.Transformed, optimizer: optax.GradientTransformati
     params, opt_state, loss, stats = train_step(params, opt_state, tokens)
   """
   loss_and_grads = jax.value_and_grad(
-      lambda params, tokens: model.apply(params, tokens, training=True), has_aux=True)
+      lambda params, tokens, seed=None: model.apply(params, tokens, training=True, seed=seed),
+      has_aux=True)
 
   def accumulated(params, tokens):
     micro = tokens.reshape(-1, grad_accum, *tokens.shape[1:]).swapaxes(0, 1)
+    # Each microbatch drawing its own drops would make the step another
+    # batch's: the drops are the whole batch's, as without accumulation.
+    seed = batch_seed(tokens)
 
     def one(total, tokens):
-      out, grads = loss_and_grads(params, tokens)
+      out, grads = loss_and_grads(params, tokens, seed)
       return jax.tree_util.tree_map(jnp.add, total, grads), out
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
