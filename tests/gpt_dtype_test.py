@@ -19,6 +19,10 @@ bfloat16 from one seed) and ``sample.py``:
 
 * the bfloat16 run's validation loss is within 0.05 of float32's; its
   checkpointed parameters and optimizer state and its export are float32;
+* each run's log says its batch (and --grad_accum); the bfloat16 one, on a
+  CPU, that bfloat16 is slower there;
+* the checkpoints record the run's dtype, which ``sample.py`` decodes in
+  unless ``--dtype`` says otherwise;
 * ``sample.py --dtype=bfloat16`` greedy from the float32 run's checkpoint
   prints float32's text, except after a near tie: a character may differ
   only where float32's two likeliest are closer than twice the largest
@@ -247,6 +251,31 @@ def test_the_runs_log_mfu_only_with_a_peak(runs):
   records = [r for r in gpt_driver.read_metrics(runs["bfloat16"][0]) if "tokens_per_s" in r]
   assert records and all(r["mfu"] > 0 for r in records)
   assert bf16_log.count("MFU") == len(records)
+
+
+def test_the_runs_say_their_batch_and_bfloat16_on_a_cpu(runs):
+  f32_log, bf16_log = runs["float32"][2], runs["bfloat16"][2]
+  for log in (f32_log, bf16_log):
+    assert ("Batch: 4 sequences of 16 characters per step, in 1 microbatch(es) of 4 "
+            "(--grad_accum=1)") in log, log
+  slower = "--dtype=bfloat16 on a CPU: its bfloat16 matmuls are no faster"
+  assert (slower in bf16_log) == (jax.default_backend() == "cpu"), bf16_log
+  assert slower not in f32_log
+
+
+def test_sample_decodes_in_the_runs_dtype_unless_told(runs, monkeypatch):
+  from examples.gpt import run_config  # pylint: disable=g-import-not-at-top
+  from examples.gpt import sample as sample_lib  # pylint: disable=g-import-not-at-top
+  decoded = []
+  monkeypatch.setattr(sample_lib.decoding, "generate",
+                      lambda cfg, *args, **kwargs: decoded.append(cfg.dtype) or ["x"])
+  for dtype in ("float32", "bfloat16"):
+    workdir = runs[dtype][0]
+    assert gpt_driver.load_meta(workdir)["dtype"] == dtype
+    sample_lib.sample(run_config.SampleConfig(workdir=workdir, num_tokens=1))
+  sample_lib.sample(run_config.SampleConfig(workdir=runs["bfloat16"][0], num_tokens=1,
+                                            dtype="float32"))
+  assert decoded == ["float32", "bfloat16", "float32"]
 
 
 def _params_from_npz(path):

@@ -4,7 +4,10 @@ Flags that do nothing with ``--stack=unrolled`` (``--remat=nested``,
 ``--nested_outer``, ``--unroll``) or without ``--optimizer=muon``
 (``--muon_learning_rate``), and ``--pattern`` with L layers whose
 ``--window`` (its default or a given one) exceeds ``--seq_len``: each once
-went on in silence. ``--grad_accum`` that does not divide the batch, or
+went on in silence. So did ``--peak_flops`` of nan, inf or 0 and a policy
+name in capitals (``--remat=Nested``); ``--remat=False`` got the library's
+list of Python values, and a ``--memory_budget`` that is not a size was
+refused only after the corpus was loaded. ``--grad_accum`` that does not divide the batch, or
 beside a pipeline (which cuts its own microbatches), stops there too. The
 command lines run one after another in one interpreter
 (``gpt_driver.drive_cli``); each must exit non-zero with one
@@ -51,7 +54,31 @@ CLI_CASES = {
     "grad_accum_pipeline": ({"grad_accum": 2, "pipeline": "gpipe"},
                             ["--grad_accum=2 with --pipeline=gpipe: a pipeline cuts the "
                              "batch into --microbatches itself; drop --grad_accum."]),
+    # Policy names compare in any case, as stacktools compares them.
+    "nested_unrolled_any_case": ({"stack": "unrolled", "remat": "Nested"},
+                                 ["--remat=Nested: nested splits a scan into two levels"]),
+    # The command line's own list, not the library's Python values.
+    "remat_false": ({"remat": "False"},
+                    ["--remat='False' is not a checkpoint policy: pass none, full, nested, "
+                     "offload, save_all, auto, or per-depth segments alias:layers,... "
+                     "(e.g. none:2,full:2)."]),
+    # Before the corpus and the parameters are loaded.
+    "memory_budget_not_a_size": ({"remat": "auto", "memory_budget": "48 megs"},
+                                 ["--memory_budget='48 megs' is not a size: pass bytes, or a "
+                                  "number with a unit, e.g. 48MiB or 1.5GB (units: B, KB, MB, "
+                                  "GB, KiB, MiB, GiB)."]),
+    "memory_budget_zero": ({"remat": "auto", "memory_budget": "0MiB"},
+                           ["--memory_budget='0MiB' is not a size"]),
+    "peak_flops_nan": ({"peak_flops": "nan"},
+                       ["--peak_flops must be a finite number of FLOP/s above 0, e.g. "
+                        "197e12; drop it for the device kind's own peak (none on a CPU: "
+                        "no MFU)."]),
+    "peak_flops_inf": ({"peak_flops": "inf"}, ["--peak_flops must be a finite number"]),
+    "peak_flops_zero": ({"peak_flops": 0}, ["--peak_flops must be a finite number"]),
     # Each corrected.
+    "full_any_case": ({"remat": "Full"}, None),
+    "memory_budget_size": ({"remat": "auto", "memory_budget": "48MiB"}, None),
+    "peak_flops_given": ({"peak_flops": 1e12}, None),
     "grad_accum_even": ({"grad_accum": 2}, None),
     "full_unrolled": ({"stack": "unrolled", "remat": "full"}, None),
     "unroll_1_unrolled": ({"stack": "unrolled", "unroll": 1}, None),

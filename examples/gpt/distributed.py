@@ -94,7 +94,7 @@ def check_pipeline_flags(pipeline: str, microbatches: Optional[int],
           "a --pipeline (e.g. gpipe, circular or interleaved) and a pipe axis in "
           "--mesh (e.g. --mesh=pipe:4,data:2).")
     return
-  if remat == "auto":
+  if remat.lower() == "auto":   # compared as stacktools compares it
     # The planner's candidates include per-depth mixes, which a pipeline
     # refuses; refused here rather than after compiling the first of them.
     # (st.plan_remat offers them for a pipelined stack too.)

@@ -17,6 +17,7 @@ is registered on the flags it reads.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -48,6 +49,19 @@ def _help_owner(binary: str) -> Optional[str]:
 
 #: Where absl files the flags: train.py's own help, when it is the program.
 _OWNER = dict(module_name=_help_owner("train.py"))
+
+
+def drop_test_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Removes absltest's flags (--test_tmpdir, ...), which Haiku's import of
+  haiku.testing defines in every process, so that a binary's --helpfull
+  lists only what it takes. Only for a binary run as the program: a test
+  process that imports the example keeps them."""
+  for flag in list(flag_values.flags_by_module_dict().get("absl.testing.absltest", [])):
+    delattr(flag_values, flag.name)
+
+
+if _OWNER["module_name"] is not None:
+  drop_test_flags()
 
 flags.DEFINE_string(
     "remat", "full", "Checkpoint policy of the block stack: one of "
@@ -239,6 +253,10 @@ flags.register_validator(
 _validate(["remat", "memory_budget", "remat_candidates"], remat_lib.check_remat_flags)
 _validate(["save_names", "remat"], remat_lib.check_save_names)
 flags.register_validator(
+    "peak_flops", lambda v: v is None or (math.isfinite(v) and v > 0),
+    message="--peak_flops must be a finite number of FLOP/s above 0, e.g. 197e12; "
+    "drop it for the device kind's own peak (none on a CPU: no MFU).")
+flags.register_validator(
     "layer_lr_decay", lambda v: 0 < v <= 1,
     message="--layer_lr_decay must be in (0, 1]: 1 is no decay, 0.8 a usual one.")
 flags.register_validator(
@@ -260,7 +278,8 @@ flags.register_multi_flags_validator(
     message="--window is the span of the L layers of --pattern, and there are "
     "none: drop --window, or give --pattern L layers (e.g. --pattern=LLLG).")
 flags.register_multi_flags_validator(
-    ["nested_outer", "remat"], lambda f: f["nested_outer"] is None or f["remat"] == "nested",
+    ["nested_outer", "remat"], lambda f: f["nested_outer"] is None
+    or remat_lib.alias(f["remat"]) == "nested",
     message="--nested_outer needs --remat=nested.")
 _validate(["stack", "remat", "nested_outer", "unroll"], remat_lib.check_unrolled_stack)
 flags.register_multi_flags_validator(

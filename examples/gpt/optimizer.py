@@ -106,6 +106,11 @@ def make_optimizer(config: OptimizerConfig, steps: int,
     cfg: the model, whose stack ``h`` the layer rules index.
   """
   def schedule(peak):
+    if not config.warmup_steps:
+      # optax's warmup of 0 steps is a linear schedule of none, which it
+      # logs as a warning-like line; the cosine decay alone is the same
+      # schedule (warmup_cosine_decay_schedule joins the two at step 0).
+      return optax.cosine_decay_schedule(peak, decay_steps=steps, alpha=0.1)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=peak,
         # --warmup_steps < --steps (a flag validator): at least one step of

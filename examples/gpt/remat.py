@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
@@ -24,9 +25,24 @@ from examples.gpt import model_config
 #: The --remat aliases that recompute, so that --save_names can keep something.
 SAVES_NAMES = ("full", "nested", "offload")
 
+#: What --remat accepts, as its error lists it: the command line takes names
+#: (any case, as stacktools reads them), not the library's True/False/None.
+ACCEPTED = (f"{', '.join(st.CheckpointPolicy.ALIASES)}, auto, or per-depth segments "
+            "alias:layers,... (e.g. none:2,full:2)")
+
+#: --memory_budget's units, as st.plan_remat reads them (any case).
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
 #: What a --remat flag becomes: an ``st.CheckpointPolicy``, ``st.per_depth``
 #: segments, or "auto".
 Remat = Any
+
+
+def alias(remat: str) -> str:
+  """--remat as stacktools compares policy names: in lower case (``Full`` is
+  ``full``), so that every rule of the binary reads the policy that runs."""
+  return remat.lower()
 
 
 def checkpoint_policy(remat: str, save_names: Optional[Sequence[str]],
@@ -45,6 +61,7 @@ def checkpoint_policy(remat: str, save_names: Optional[Sequence[str]],
   Raises:
     ValueError, TypeError: stacktools' own, for a --remat it does not accept.
   """
+  remat = alias(remat)
   if remat == "auto":
     return remat
   if ":" in remat:
@@ -88,11 +105,13 @@ def check_remat_flags(remat: str, memory_budget: Optional[str],
   Raises:
     ValueError: one line, naming the flags.
   """
+  given, remat = remat, alias(remat)
   if remat == "auto":
     if memory_budget is None:
       raise ValueError(
           "--remat=auto needs --memory_budget (e.g. --memory_budget=48MiB): the "
           "plan is the fastest within that much compiled temp memory.")
+    check_memory_budget(memory_budget)
     for candidate in remat_candidates or ():
       if "," in candidate and not all(":" in part for part in candidate.split(",")):
         raise ValueError(
@@ -103,10 +122,30 @@ def check_remat_flags(remat: str, memory_budget: Optional[str],
     return
   if memory_budget is not None or remat_candidates is not None:
     raise ValueError("--memory_budget and --remat_candidates need --remat=auto.")
+  if ":" not in remat and remat not in st.CheckpointPolicy.ALIASES:
+    # stacktools' own list names Python values (False, None, a
+    # CheckpointPolicy) that no command line can give.
+    raise ValueError(f"--remat={given!r} is not a checkpoint policy: pass {ACCEPTED}.")
   try:
     checkpoint_policy(remat, None, None)
   except (TypeError, ValueError) as e:
     raise ValueError(f"--remat: {e}") from None
+
+
+def check_memory_budget(memory_budget: str) -> None:
+  """Refuses a --memory_budget that is not a size, as the command line is
+  parsed: st.plan_remat would say so only after the corpus and the
+  parameters are loaded.
+
+  Raises:
+    ValueError: one line naming the flag and the sizes it takes.
+  """
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory_budget)
+  if not match or match.group(2).lower() not in _UNITS or (
+      float(match.group(1)) * _UNITS[match.group(2).lower()] < 1):
+    raise ValueError(
+        f"--memory_budget={memory_budget!r} is not a size: pass bytes, or a number "
+        "with a unit, e.g. 48MiB or 1.5GB (units: B, KB, MB, GB, KiB, MiB, GiB).")
 
 
 def check_save_names(save_names: Optional[Sequence[str]], remat: str) -> None:
@@ -115,6 +154,7 @@ def check_save_names(save_names: Optional[Sequence[str]], remat: str) -> None:
   Raises:
     ValueError: one line, saying why this --remat keeps no names.
   """
+  remat = alias(remat)
   if not save_names or remat in SAVES_NAMES:
     return
   if remat == "auto":
@@ -141,7 +181,8 @@ def check_unrolled_stack(stack: str, remat: str, nested_outer: Optional[int],
   """
   if stack != "unrolled":
     return
-  aliases = [p.split(":")[0] for p in remat.split(",")] if ":" in remat else [remat]
+  named = alias(remat)   # the message quotes the flag as given
+  aliases = [p.split(":")[0] for p in named.split(",")] if ":" in named else [named]
   if "nested" in aliases:
     outer = " and --nested_outer" if nested_outer is not None else ""
     raise ValueError(

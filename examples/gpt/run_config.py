@@ -103,4 +103,4 @@ class SampleConfig:
   top_k: int = 0
   num_samples: int = 1
   seed: int = 0
-  dtype: str = "float32"
+  dtype: Optional[str] = None   # None: the dtype the run trained in

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from examples.gpt import data as data_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import decoding  # pylint: disable=g-import-not-at-top
+from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import model_config  # pylint: disable=g-import-not-at-top
@@ -59,13 +60,19 @@ def sample(config: SampleConfig) -> list[str]:
     train_first = f", or train first with {train}" if problem == files.MISSING else ""
     sys.exit(f"error: --workdir={workdir!r} {problem}; pass the folder that "
              f"train.py wrote its checkpoints to{train_first}.")
+  # Starts the backends quietly: JAX's line for each absent one (libtpu on a
+  # CPU machine) would be the first the user reads.
+  distributed.device_count()
   try:
     step, meta = saving.latest(workdir)
   except saving.NotFoundError as e:
     sys.exit(f"error: {e} Train first with {train}.")
   except saving.CheckpointError as e:
     sys.exit(f"error: {e}")
-  cfg = model_config.GPTConfig(**{**meta["config"], "dtype": config.dtype})
+  # The run's own dtype unless --dtype says otherwise (a checkpoint from
+  # before the dtype was recorded: float32, the default it trained in then).
+  dtype = config.dtype or meta.get("dtype", "float32")
+  cfg = model_config.GPTConfig(**{**meta["config"], "dtype": dtype})
   if config.top_k > cfg.vocab_size:
     sys.exit(f"error: --top_k={config.top_k} is more than the vocabulary's "
              f"{cfg.vocab_size} characters; pass 0 (off) up to {cfg.vocab_size}.")

@@ -39,6 +39,11 @@ def _help_owner(binary: str) -> Optional[str]:
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   """Defines sample.py's flags in ``flag_values`` (absl's own: once per process)."""
   fv = dict(flag_values=flag_values, module_name=_help_owner("sample.py"))
+  if fv["module_name"] is not None:
+    # Haiku's import of haiku.testing defines absltest's flags (--test_tmpdir,
+    # ...) in every process: sample.py's --helpfull lists only its own.
+    for flag in list(flag_values.flags_by_module_dict().get("absl.testing.absltest", [])):
+      delattr(flag_values, flag.name)
   flags.DEFINE_string("workdir", "workdir/gpt", "Folder that train.py wrote its "
                       "checkpoints to (the latest committed step is used).", **fv)
   flags.DEFINE_string("prompt", "def ", "Text to continue.", **fv)
@@ -54,10 +59,11 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "as one batch and printed one after another, separated "
                        "by a line of dashes.", lower_bound=1, **fv)
   flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
-  flags.DEFINE_enum("dtype", "float32", model_config.DTYPES, "Compute dtype of the "
+  flags.DEFINE_enum("dtype", None, model_config.DTYPES, "Compute dtype of the "
                     "decode step and its KV cache: float32 (right on a CPU) or "
                     "bfloat16 (right on an accelerator, TPU or GPU; the "
-                    "parameters stay float32), whichever train.py trained in.", **fv)
+                    "parameters stay float32). Default: the --dtype train.py "
+                    "trained in, recorded with its checkpoints.", **fv)
 
 
 def config() -> SampleConfig:

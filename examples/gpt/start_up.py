@@ -92,6 +92,17 @@ def _check_outputs(config: TrainConfig, workdir: str) -> resume_lib.Start:
     sys.exit(f"error: {e}")
 
 
+def cpu_dtype_warning(dtype: str, backend: str) -> Optional[str]:
+  """What to say of --dtype on this backend: bfloat16 on a CPU is slower
+  than float32 there (its bfloat16 matmuls are no faster, and every
+  conversion costs); None where there is nothing to say."""
+  if dtype == "bfloat16" and backend == "cpu":
+    return ("--dtype=bfloat16 on a CPU: its bfloat16 matmuls are no faster than "
+            "float32's and the conversions cost, so the step is slower here; pass "
+            "--dtype=float32 on a CPU (bfloat16 is for a TPU or GPU).")
+  return None
+
+
 def _join_processes(config: TrainConfig) -> tuple[dict[str, int], Optional[st.Pipeline]]:
   """Joins the run's processes; returns the mesh's axis sizes and the pipeline.
 
@@ -107,6 +118,9 @@ def _join_processes(config: TrainConfig) -> tuple[dict[str, int], Optional[st.Pi
         config.microbatches, config.pipeline_repeats)
   except distributed.SetupError as e:
     sys.exit(f"error: {e}")
+  warning = cpu_dtype_warning(config.dtype, jax.default_backend())
+  if warning:
+    logging.warning(warning)
   return mesh_sizes, pipeline
 
 
@@ -188,7 +202,11 @@ def _initial_state(config: TrainConfig, start: resume_lib.Start,
 
 def _log_layout(config: TrainConfig, params: Any, opt_state: Any, mesh: jax.sharding.Mesh,
                 cfg: model_config.GPTConfig) -> None:
-  """Logs the parameter count, their bytes per device and the pipeline's layout."""
+  """Logs the batch, the parameter count, their bytes per device and the pipeline's layout."""
+  logging.info("Batch: %d sequences of %d characters per step, in %d microbatch(es) of %d "
+               "(--grad_accum=%d), their gradients averaged before the one update.",
+               config.batch_size, config.seq_len, config.grad_accum,
+               config.batch_size // config.grad_accum, config.grad_accum)
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   logging.info("Parameters: %d; mesh %s over %d devices in %d processes; "
                "%.1f KiB of parameters and %.1f KiB of optimizer state per device.",
@@ -267,6 +285,9 @@ def _saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.P
     checkpoints.save(step, params, opt_state, {
         "sampler_state": batches.get_state(),
         "config": resume_lib.recorded_config(cfg),
+        # Not in "config" (a run resumes under either dtype): what sample.py
+        # decodes in by default.
+        "dtype": cfg.dtype,
         "optimizer": _optimizer_config(config).recorded(),
         "chars": chars})
 
