@@ -322,6 +322,20 @@ def test_name_the_step_does_not_tag_is_an_error():
     _step_residuals(policy)
 
 
+@pytest.mark.parametrize("value", ["a string", 0.5])
+def test_a_name_on_no_array_is_refused_as_untagged(value):
+  # Once recorded as tagged: the policy passed the check and saved nothing.
+  def step(c, w):
+    st.checkpoint_name(value, "meta")
+    return jnp.tanh(c @ w)
+
+  policy = st.CheckpointPolicy(save_block_internals=["meta"])
+  with pytest.raises(ValueError, match=r"\['meta'\], but no block tags a value "
+                     r"with that name.*The block tags no names"):
+    jax.grad(lambda c, ws: jnp.sum(st.fold(step, remat=policy)(c, ws)))(
+        jnp.ones((2, 4)), jnp.ones((3, 4, 4)))
+
+
 def test_default_policy_keeps_only_carry_and_input():
   residuals = _step_residuals(st.CheckpointPolicy())
   assert len(residuals) == 2, residuals

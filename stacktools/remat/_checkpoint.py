@@ -42,7 +42,8 @@ def checkpoint_name(tree: T, name: str) -> T:
   A policy that lists ``name`` in ``save_block_internals`` keeps the tagged
   values for the backward pass instead of recomputing them; one that lists it
   in ``offload_block_internals`` keeps them in host memory. Leaves that are
-  not arrays (``None``, Python scalars) are returned unchanged.
+  not arrays (``None``, Python scalars, strings) are returned unchanged and
+  tag nothing: a policy that names only such a value is refused.
 
   Example::
 
@@ -63,14 +64,21 @@ def checkpoint_name(tree: T, name: str) -> T:
   if not isinstance(name, str) or not name:
     raise TypeError(f"checkpoint_name needs a non-empty string name, got {name!r}.")
 
+  tagged = []
+
   def tag(leaf):
     if isinstance(leaf, (jax.Array, np.ndarray)):
+      tagged.append(leaf)
       return _jax_checkpoint_name(leaf, name)
     return leaf
 
-  for names in _RECORDERS.values():
-    names.add(name)
-  return jax.tree_util.tree_map(tag, tree)
+  out = jax.tree_util.tree_map(tag, tree)
+  if tagged:
+    # A name on no array (a string, a Python float) saves nothing: not
+    # recorded, so a policy that names it is refused as for an untagged name.
+    for names in _RECORDERS.values():
+      names.add(name)
+  return out
 
 
 #: One set per checkpointed step being traced, innermost last: each collects
