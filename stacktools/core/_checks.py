@@ -353,6 +353,23 @@ def check_carry(carry: PyTree, new_carry: PyTree) -> None:
           "one it was given.")
 
 
+def check_block_carry(x: PyTree, new_x: PyTree) -> None:
+  """A stacked block returns ``x`` as it was given, said in the block's words
+  (``args`` for ``layer_stack``, whose function returns its arguments)."""
+  label = "args" if who() == "layer_stack" else "x"
+  (ins, in_tree), (outs, out_tree) = (jax.tree_util.tree_flatten_with_path(t) for t in (x, new_x))
+  changes = ([f"{label} from {in_tree} to {out_tree}"] if in_tree != out_tree else [
+      f"{path_str(label, path)} from {sa[1]}{list(sa[0])} to {sb[1]}{list(sb[0])}"
+      for (path, a), (_, b) in builtins.zip(ins, outs)
+      for sa, sb in [(signature(a), signature(b))] if sa != sb])
+  if changes:
+    raise TypeError(
+        f"{where()}the block changed {changes[0]}; each layer's output is the next "
+        "layer's input, so a block returns it with the structure, shape and dtype "
+        "it was given: change the block (e.g. project back to the input's width, "
+        "or cast back to its dtype).")
+
+
 def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
   """``(new_x, y)`` from a stacked block's output, checked against the mode.
 

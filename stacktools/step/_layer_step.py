@@ -231,7 +231,7 @@ def checked_step(inner: hk.TransformedWithState, mode: str,
 
   def step(carry: PyTree, layer: LayerSlice) -> tuple[PyTree, LayerResult]:
     new_carry, result = apply_layer(inner, carry, layer, mode=mode, arguments=arguments)
-    _checks.check_carry(carry, new_carry)
+    _checks.check_block_carry(carry, new_carry)
     return new_carry, result
 
   return step
