@@ -19,8 +19,8 @@ synchronous one (the step waits for the whole write, as the hand-written
 * the extra time per save in all (saving step + window - baseline), in steps;
 * how many later steps were dispatched while a save was still under way.
 
-  python benchmarks/checkpoint_cost.py            # full run, ~1 min on 2 cores
-  python benchmarks/checkpoint_cost.py --quick    # seconds (the smoke test)
+  python -m benchmarks.checkpoint_cost            # full run, ~1 min on 2 cores
+  python -m benchmarks.checkpoint_cost --quick    # seconds (the smoke test)
 
 Writes ``benchmarks/results/checkpoint_cost.json`` and ``checkpoint_cost.png``.
 """
@@ -29,28 +29,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# pylint: disable=wrong-import-position
 import haiku as hk
 import jax
 import numpy as np
 import optax
 
-from benchmarks import fast_compile
-from benchmarks import harness
-from benchmarks import instruments
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
 from examples.gpt import saving
-# pylint: enable=wrong-import-position
 
 NAME = "checkpoint_cost"
 KINDS = ("async", "sync")

@@ -13,27 +13,23 @@ reaches all of them alike, and the fastest repeat is kept: on a shared
 machine the minimum is the least noisy estimate of the work. One untimed
 compile warms JAX up first.
 
-  python benchmarks/compile_time.py            # full run, ~4 min on 2 cores
-  python benchmarks/compile_time.py --quick    # seconds (the smoke test)
-  python benchmarks/compile_time.py --model gpt --remat none --depths 4,16,64
+  python -m benchmarks.compile_time            # full run, ~4 min on 2 cores
+  python -m benchmarks.compile_time --quick    # seconds (the smoke test)
+  python -m benchmarks.compile_time --model gpt --remat none --depths 4,16,64
 
 Writes ``benchmarks/results/compile_time.json`` and ``compile_time.png``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import contenders  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
+from benchmarks.common import contenders
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
+from benchmarks.common import report
 
 NAME = "compile_time"
 IMPLS = ("stacked", "hk_layer_stack", "blockseq")
@@ -114,7 +110,7 @@ def draw(payload: dict[str, Any]):
               markersize=10, color=line.get_color(),
               label=f"{contenders.IMPL_LABELS[impl]}: trace + compile, CPU time")
     ax.set_yscale("log")
-    harness.depth_axis(ax, [r["num_layers"] for r in rows])
+    report.depth_axis(ax, [r["num_layers"] for r in rows])
     ax.set_ylabel("seconds to trace + compile one gradient step (s)")
     ax.set_ylim(bottom=0.03)
     ax.set_title(f"Compile time vs depth ({cfg['model']}, remat={cfg['remat']}, "

@@ -30,8 +30,8 @@ of the layer at the top of the loop body, so that independent work can run
 at once, and keeps their buffers apart; at batch 1 those copies, not the
 cache, are most of the temp memory.
 
-  python benchmarks/decode.py            # full run, 1.5 to 4 minutes on 2 cores
-  python benchmarks/decode.py --quick    # seconds (the smoke test)
+  python -m benchmarks.decode            # full run, 1.5 to 4 minutes on 2 cores
+  python -m benchmarks.decode --quick    # seconds (the smoke test)
 
 The default run measures T = 256 and 1024 to stay within a few minutes on 2
 shared cores (the recompute of T = 4096 at batch 8 alone takes tens of
@@ -45,29 +45,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# pylint: disable=wrong-import-position
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import stacktools as st
-from benchmarks import fast_compile
-from benchmarks import harness
-from benchmarks import instruments
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import report
 from examples.gpt import decoding
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
-# pylint: enable=wrong-import-position
 
 NAME = "decode"
 CACHED = ("in_place", "sliced", "unrolled")
@@ -223,9 +217,8 @@ def memory_ordered(argv: list[str]) -> list[dict[str, Any]]:
   ms per call and temp bytes."""
   env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " "
                                      + MEMORY_SCHEDULER).strip()}
-  done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
-                         "--memory_ordered_child"],
-                        env=env, capture_output=True, text=True, check=False)
+  done = harness.run_module("benchmarks.decode", [*argv, "--memory_ordered_child"], env,
+                            capture_output=True, text=True)
   if done.returncode != 0:
     raise RuntimeError(f"the memory-ordered child process failed:\n{done.stderr}")
   return json.loads(done.stdout.strip().splitlines()[-1])
@@ -312,10 +305,10 @@ def markdown(payload: dict[str, Any]) -> str:
            f"L={cfg['num_layers']}, d={cfg['d_model']}, H={cfg['num_heads']}, float32, "
            "cache donated; temp: compiled temp memory over the cache's bytes; "
            f"memory-ordered: `XLA_FLAGS={MEMORY_SCHEDULER}`, in a child process, "
-           "over its own floor):", "",
-           "| batch | T | floor | in_place | sliced (today) | unrolled | recompute | "
-           "in_place temp | sliced temp | memory-ordered in_place | its temp |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "over its own floor):", ""] + report.table(
+               ["batch", "T", "floor", "in_place", "sliced (today)", "unrolled", "recompute",
+                "in_place temp", "sliced temp", "memory-ordered in_place", "its temp"],
+               align="l" * 11)
   for r in payload["measurements"]:
     f = r["floor_ms"]
     cells = [f"{r[f'{n}_ms']:.1f} ({r[f'{n}_ms'] / f:.1f}x)"
@@ -324,10 +317,9 @@ def markdown(payload: dict[str, Any]) -> str:
              for n in ("in_place", "sliced")]
     mine = next(o for o in payload["memory_ordered"]
                 if (o["batch"], o["seq_len"]) == (r["batch"], r["seq_len"]))
-    ordered = (f"{mine['in_place_ms']:.1f} ({mine['in_place_ms'] / mine['floor_ms']:.1f}x) | "
-               f"{mine['temp_bytes'] / r['cache_bytes']:.2f}x")
-    lines.append(f"| {r['batch']} | {r['seq_len']} | {f:.1f} | " + " | ".join(cells)
-                 + " | " + " | ".join(temps) + " | " + ordered + " |")
+    ordered = [f"{mine['in_place_ms']:.1f} ({mine['in_place_ms'] / mine['floor_ms']:.1f}x)",
+               f"{mine['temp_bytes'] / r['cache_bytes']:.2f}x"]
+    lines.append(report.row(r["batch"], r["seq_len"], f"{f:.1f}", *cells, *temps, *ordered))
   peak = payload["peak"]
   b0, b1 = (str(b) for b in cfg["peak_batches"])
   lines += ["", f"Peak memory of the in-place step at T={peak['seq_len']}: batch {b0} "
@@ -354,12 +346,9 @@ def draw(payload: dict[str, Any]):
         ax.plot(ts, [r[f"{name}_ms"] for r in mine], style, label=name)
       ax.plot(ts, [r["floor_ms"] for r in mine], "k--", label="floor (bytes read once)")
       ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
       ax.set_xticks(ts, [str(t) for t in ts])
-      ax.set_xlabel("cache length T")
-      ax.set_ylabel("ms per token")
-      ax.set_title(f"batch {batch}")
-      ax.legend(fontsize=8)
+      ax.set(xlabel="cache length T", ylabel="ms per token", title=f"batch {batch}")
+      report.finish(ax, log_y=True, grid="")
     return fig
 
   return fig_fn
@@ -392,8 +381,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   peak = peak_growth(args, options)
   payload = {
       "question": __doc__.strip().splitlines()[0],
-      "command": harness.command_line(),
-      "quick": args.quick,
+      "command": harness.command_line(), "quick": args.quick,
       "config": {"num_layers": args.num_layers, "d_model": args.d_model,
                  "num_heads": args.num_heads, "vocab_size": args.vocab_size,
                  "seq_lens": args.seq_lens, "batches": args.batches, "rounds": args.rounds,

@@ -30,35 +30,30 @@ and corpus (this Python's standard-library sources):
    trained 4-layer model, ``st.take_layers`` with every layer but one (a
    3-layer model, same parameters otherwise), one row per layer.
 
-  python benchmarks/depth_edits.py            # a few minutes on 2 CPU cores
-  python benchmarks/depth_edits.py --quick    # seconds: the smoke test's mode
+  python -m benchmarks.depth_edits            # a few minutes on 2 CPU cores
+  python -m benchmarks.depth_edits --quick    # seconds: the smoke test's mode
 
 Writes ``benchmarks/results/depth_edits.json`` and ``depth_edits.png``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import haiku as hk
+import jax
+import numpy as np
+import optax
 
-import haiku as hk  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
-from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
-from examples.gpt import model_config  # pylint: disable=wrong-import-position
-from examples.gpt import restoring  # pylint: disable=wrong-import-position
-from examples.gpt import saving  # pylint: disable=wrong-import-position
-import stacktools as st  # pylint: disable=wrong-import-position
-from stacktools import depth  # pylint: disable=wrong-import-position
+from benchmarks.common import harness
+from examples.gpt import data as data_lib
+from examples.gpt import model as model_lib
+from examples.gpt import model_config
+from examples.gpt import restoring
+from examples.gpt import saving
+import stacktools as st
+from stacktools import depth
 
 NAME = "depth_edits"
 ARMS = ("scratch", "progressive")

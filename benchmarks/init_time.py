@@ -11,29 +11,25 @@ repeat sweeps every depth and both contenders in alternating directions, and
 each one's fastest total is kept (least noisy on a shared machine). One
 untimed init warms JAX up first.
 
-  python benchmarks/init_time.py               # full run, ~2 min on 2 cores
-  python benchmarks/init_time.py --quick       # seconds (the smoke test)
-  python benchmarks/init_time.py --depths 16,256 --width 256 --seq_len 256
+  python -m benchmarks.init_time               # full run, ~2 min on 2 cores
+  python -m benchmarks.init_time --quick       # seconds (the smoke test)
+  python -m benchmarks.init_time --depths 16,256 --width 256 --seq_len 256
 
 Writes ``benchmarks/results/init_time.json`` and ``init_time.png``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
 
-import jax  # pylint: disable=wrong-import-position
-
-from benchmarks import contenders  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
+from benchmarks.common import contenders
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
+from benchmarks.common import report
 
 NAME = "init_time"
 IMPLS = ("stacked", "hk_layer_stack")
@@ -107,7 +103,7 @@ def draw(payload: dict[str, Any]):
     ax_run.set_yscale("log")
     ax_run.set_ylabel("seconds (s)")
     for ax in (ax_total, ax_run):
-      harness.depth_axis(ax, [r["num_layers"] for r in rows])
+      report.depth_axis(ax, [r["num_layers"] for r in rows])
       ax.grid(True, which="both", alpha=0.3)
       ax.legend(fontsize=8)
     return fig

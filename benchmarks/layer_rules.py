@@ -26,8 +26,8 @@ and corpus (this Python's standard-library sources):
    rounds whose order alternates; each step draws new layers to skip. The
    ratio of medians is the saving.
 
-  python benchmarks/layer_rules.py            # a few minutes on 2 CPU cores
-  python benchmarks/layer_rules.py --quick    # seconds: the smoke test's mode
+  python -m benchmarks.layer_rules            # a few minutes on 2 CPU cores
+  python -m benchmarks.layer_rules --quick    # seconds: the smoke test's mode
 
 Writes ``benchmarks/results/layer_rules.json`` and ``layer_rules.png``.
 """
@@ -36,24 +36,19 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import haiku as hk
+import jax
+import numpy as np
+import optax
 
-import haiku as hk  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
-from examples.gpt import model as model_lib  # pylint: disable=wrong-import-position
-from examples.gpt import model_config  # pylint: disable=wrong-import-position
-import stacktools as st  # pylint: disable=wrong-import-position
+from benchmarks.common import harness
+from examples.gpt import data as data_lib
+from examples.gpt import model as model_lib
+from examples.gpt import model_config
+import stacktools as st
 
 NAME = "layer_rules"
 OPTIMIZERS = ("adamw", "muon_over_layers", "muon_stacked")

@@ -22,9 +22,9 @@ The same for what a user writes by hand: a Python loop (``st.BlockSeq``),
 ``hk.layer_stack`` over an ``hk.remat``-ed block, and
 ``jax.lax.scan(jax.checkpoint(...))``.
 
-  python benchmarks/memory.py                  # full run, ~5 min on 2 cores
-  python benchmarks/memory.py --quick          # seconds (the smoke test)
-  python benchmarks/memory.py --depths 4,16,64 --models gpt --gpt_width 256
+  python -m benchmarks.memory                  # full run, ~5 min on 2 cores
+  python -m benchmarks.memory --quick          # seconds (the smoke test)
+  python -m benchmarks.memory --depths 4,16,64 --models gpt --gpt_width 256
 
 Writes ``benchmarks/results/memory.json`` and ``memory.png``.
 """
@@ -32,19 +32,15 @@ Writes ``benchmarks/results/memory.json`` and ``memory.png``.
 from __future__ import annotations
 
 import math
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import contenders  # pylint: disable=wrong-import-position
-from benchmarks import fast_compile  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
+from benchmarks.common import contenders
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
+from benchmarks.common import report
 
 NAME = "memory"
 MiB = 2 ** 20
@@ -277,7 +273,7 @@ def draw(payload: dict[str, Any]):
       ax_alt.set_title(f"{model}: the same policies written by hand")
       for ax in (ax_guide, ax_alt):
         ax.set_yscale("log")
-        harness.depth_axis(ax, [r["num_layers"] for r in rows if r["model"] == model])
+        report.depth_axis(ax, [r["num_layers"] for r in rows if r["model"] == model])
         ax.set_ylabel("compiled temp memory of one gradient step (MiB)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)

@@ -24,8 +24,8 @@ Question 1 uses two residual MLPs with different hidden widths
 (``--verify_block``; 72 cases of three programs each compile quickly) and
 the GPT example itself.
 
-  python benchmarks/mixed_layers.py            # full run, ~10 min on 2 cores
-  python benchmarks/mixed_layers.py --quick    # seconds (the smoke test)
+  python -m benchmarks.mixed_layers            # full run, ~10 min on 2 cores
+  python -m benchmarks.mixed_layers --quick    # seconds (the smoke test)
 
 Writes ``benchmarks/results/mixed_layers.json`` and ``mixed_layers.png``.
 """
@@ -35,26 +35,22 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import haiku as hk  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-
-import stacktools as st  # pylint: disable=wrong-import-position
-from benchmarks import fast_compile  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from examples.gpt import decoding  # pylint: disable=wrong-import-position
-from examples.gpt import model as gpt  # pylint: disable=wrong-import-position
-from examples.gpt import model_config  # pylint: disable=wrong-import-position
+import stacktools as st
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import report
+from examples.gpt import decoding
+from examples.gpt import model as gpt
+from examples.gpt import model_config
 
 NAME = "mixed_layers"
 P51 = "LLLLLG"
@@ -356,7 +352,7 @@ def draw(payload: dict[str, Any]):
       pts = sorted((r["num_layers"], r["cpu_total_s"]) for r in payload["compile"]
                    if r["impl"] == impl)
       ax.plot(*zip(*pts), marker="o", label=label)
-    harness.depth_axis(ax, [r["num_layers"] for r in payload["compile"]])
+    report.depth_axis(ax, [r["num_layers"] for r in payload["compile"]])
     ax.set_ylabel("trace + compile of a gradient step (CPU s)")
     ax.set_title("Compile time vs depth (remat=full)")
     ax.set_yscale("log")
@@ -370,7 +366,7 @@ def draw(payload: dict[str, Any]):
                      if r["impl"] == impl and r["remat"] == remat)
         ax.plot(*zip(*pts), linestyle=style, marker="o",
                 label=f"{CONTENDERS[impl]}, remat={remat}")
-    harness.depth_axis(ax, [r["num_layers"] for r in payload["memory"]])
+    report.depth_axis(ax, [r["num_layers"] for r in payload["memory"]])
     ax.set_ylabel("compiled temp memory (MiB)")
     ax.set_title("Memory of a gradient step vs depth")
     ax.legend(fontsize=8)

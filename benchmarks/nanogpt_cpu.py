@@ -8,13 +8,13 @@ Python with torch, nanoGPT's own ``train.py`` with the same configuration on
 the same text, alternating the two programs round by round (ours first in
 even rounds, nanoGPT first in odd ones):
 
-  python benchmarks/nanogpt_cpu.py                        # ours alone
-  python benchmarks/nanogpt_cpu.py --nanogpt_dir=../nanoGPT \
+  python -m benchmarks.nanogpt_cpu                        # ours alone
+  python -m benchmarks.nanogpt_cpu --nanogpt_dir=../nanoGPT \
       --nanogpt_python=/path/to/venv/bin/python --rounds=3  # side by side
 
 Nothing is downloaded. The text is ``--data_path`` (nanoGPT's input.txt, say)
 or this Python's standard-library sources (the example's default corpus);
-``benchmarks/nanogpt_prep.py`` writes it as nanoGPT's train.bin, val.bin and
+``benchmarks/common/nanogpt_prep.py`` writes it as nanoGPT's train.bin, val.bin and
 meta.pkl (the same ids and 90/10 split the example makes), in a temporary
 folder that is also nanoGPT's working directory, so nothing is written into
 the checkout. torch is never a dependency of this project: the user brings
@@ -53,14 +53,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import nanogpt_prep  # pylint: disable=wrong-import-position
+from benchmarks.common import harness
+from benchmarks.common import nanogpt_prep
+from benchmarks.common import report
 
 NAME = "nanogpt_cpu"
 TRAIN = harness.REPO_ROOT / "examples" / "gpt" / "train.py"
@@ -179,26 +176,6 @@ def run_nanogpt(args, tmp: str, index: int) -> dict[str, Any]:
           "valid_loss": valid}
 
 
-def nanogpt_versions(args) -> dict[str, Any]:
-  """torch's version and threads, from the user's Python; checks it runs."""
-  code = ("import json, platform, torch, numpy; print(json.dumps({'python': "
-          "platform.python_version(), 'torch': torch.__version__, 'numpy': "
-          "numpy.__version__, 'torch_threads': torch.get_num_threads()}))")
-  done = subprocess.run([args.nanogpt_python, "-c", code], capture_output=True,
-                        text=True, check=False)
-  if done.returncode:
-    sys.exit(f"error: --nanogpt_python={args.nanogpt_python!r} cannot import torch "
-             f"and numpy: {done.stderr.strip().splitlines()[-1:]}; pass a Python "
-             "with both (e.g. a venv with `pip install torch numpy`).")
-  versions = json.loads(done.stdout.strip().splitlines()[-1])
-  head = Path(args.nanogpt_dir) / ".git"
-  if head.exists():
-    rev = subprocess.run(["git", "-C", args.nanogpt_dir, "rev-parse", "HEAD"],
-                         capture_output=True, text=True, check=False)
-    versions["nanogpt_commit"] = rev.stdout.strip() or None
-  return versions
-
-
 def check_nanogpt_flags(args) -> None:
   if bool(args.nanogpt_dir) != bool(args.nanogpt_python):
     sys.exit("error: --nanogpt_dir and --nanogpt_python go together: the nanoGPT "
@@ -265,9 +242,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> di
 
 def markdown(payload: dict[str, Any]) -> str:
   summary = payload["summary"]
-  lines = ["| | validation loss | median train step [quartiles] | training tokens/s "
-           "(median) | per run: median step |",
-           "|---|---:|---:|---:|---|"]
+  lines = report.table(["", "validation loss", "median train step [quartiles]",
+                        "training tokens/s (median)", "per run: median step"], "lrrrl")
   for program in ("nanogpt", "ours"):
     s = summary.get(program)
     if s is None:
@@ -285,10 +261,10 @@ def markdown(payload: dict[str, Any]) -> str:
                f"{payload['nanogpt_versions']['torch_threads']} threads"
     per_run = ", ".join(f"{1000 * r['median_step_s']:.1f}" for r in s["runs"])
     losses = ", ".join(f"{r['final_valid_loss']:.3f}" for r in s["runs"])
-    lines.append(f"| {label} | {s['final_valid_loss']:.3f} ({losses}) | "
-                 f"{1000 * s['median_step_s']:.1f} ms [{1000 * s['q1_step_s']:.1f}, "
-                 f"{1000 * s['q3_step_s']:.1f}] | {s['tokens_per_s'] / 1000:.1f}k | "
-                 f"{per_run} ms |")
+    lines.append(report.row(
+        label, f"{s['final_valid_loss']:.3f} ({losses})",
+        f"{1000 * s['median_step_s']:.1f} ms [{1000 * s['q1_step_s']:.1f}, "
+        f"{1000 * s['q3_step_s']:.1f}]", f"{s['tokens_per_s'] / 1000:.1f}k", f"{per_run} ms"))
   ratio = summary.get("ours_over_nanogpt")
   if ratio:
     verdict = "met" if ratio["met"] else "**missed**"
@@ -317,16 +293,13 @@ def draw(payload: dict[str, Any]):
         ax_loss.plot(*zip(*run["valid_loss"]), color=colors[program], marker="o",
                      alpha=0.7, label=label)
     cfg = payload["config"]
-    ax_time.set_title(f"mean step time per {cfg['window']} steps, evaluation left out")
-    ax_time.set_xlabel("step")
-    ax_time.set_ylabel("ms per training step")
+    ax_time.set(title=f"mean step time per {cfg['window']} steps, evaluation left out",
+                xlabel="step", ylabel="ms per training step")
     ax_time.set_ylim(bottom=0)
-    ax_loss.set_title(f"validation loss ({cfg['eval_batches']} batches)")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("nats per character")
+    ax_loss.set(title=f"validation loss ({cfg['eval_batches']} batches)", xlabel="step",
+                ylabel="nats per character")
     for ax in (ax_time, ax_loss):
-      ax.grid(True, alpha=0.3)
-      ax.legend(fontsize=8)
+      report.finish(ax, grid="major")
     return fig
 
   return fig_fn
@@ -369,7 +342,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   if args.steps % args.window or args.eval_every % args.window:
     sys.exit(f"error: --steps={args.steps} and --eval_every={args.eval_every} must be "
              f"multiples of --window={args.window}.")
-  versions = nanogpt_versions(args) if args.nanogpt_dir else None
+  versions = nanogpt_prep.nanogpt_versions(args) if args.nanogpt_dir else None
   start = time.perf_counter()
   runs: dict[str, list[dict[str, Any]]] = {"ours": [], "nanogpt": []}
   with tempfile.TemporaryDirectory(prefix="nanogpt_cpu.") as tmp:

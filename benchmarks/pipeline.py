@@ -53,9 +53,9 @@ each schedule computes in all, never a bubble or an overlap. Steps compile
 with ``fast_compile.CODEGEN`` (checked once per full run to give the same
 temp bytes as XLA's defaults); the timed ones too.
 
-  python benchmarks/pipeline.py               # full run, 1-3 min on 2 shared cores
-  python benchmarks/pipeline.py --quick       # ~20 s (the smoke test)
-  python benchmarks/pipeline.py --layers 32 --pipes 4 --remats full
+  python -m benchmarks.pipeline               # full run, 1-3 min on 2 shared cores
+  python -m benchmarks.pipeline --quick       # ~20 s (the smoke test)
+  python -m benchmarks.pipeline --layers 32 --pipes 4 --remats full
 
 JAX fixes its device count when it starts, so this script, run as one, puts
 ``--xla_force_host_platform_device_count=8`` into ``XLA_FLAGS`` before it
@@ -87,14 +87,9 @@ if __name__ == "__main__" and "jax" not in sys.modules:
 # pylint: disable=wrong-import-position
 import json
 import math
-import subprocess
 import time
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Optional
-
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import haiku as hk
 import jax
@@ -109,10 +104,10 @@ except ImportError:  # not public in every JAX version
   from jax._src.ad_checkpoint import saved_residuals
 
 import stacktools as st
-from benchmarks import fast_compile
-from benchmarks import harness
-from benchmarks import instruments
-from benchmarks import models
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
 from examples.gpt import model as gpt
 from examples.gpt import model_config
 # pylint: enable=wrong-import-position
@@ -705,8 +700,7 @@ def rerun_in_subprocess(argv: Optional[list[str]]) -> dict[str, Any]:
   flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = f"{flags.strip()} {_DEVICE_FLAG}={NUM_DEVICES}".strip()
   given = list(argv if argv is not None else sys.argv[1:])
-  subprocess.run([sys.executable, str(Path(__file__).resolve()), *given], env=env,
-                 check=True)
+  harness.run_module("benchmarks.pipeline", given, env).check_returncode()
   return json.loads((args.results_dir / f"{NAME}.json").read_text(encoding="utf-8"))
 
 

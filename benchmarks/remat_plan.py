@@ -23,9 +23,9 @@ For a gradient step of the benchmark GPT block stacked L times with
    wall clock, and in process CPU time); the largest of these ratios, against
    the fastest fitting candidate, must be at most 1.05.
 
-  python benchmarks/remat_plan.py              # full run, ~10 min on 2 quiet cores
-  python benchmarks/remat_plan.py --quick      # seconds (the smoke test)
-  python benchmarks/remat_plan.py --depths 16 --rounds 5 --only none full nested
+  python -m benchmarks.remat_plan              # full run, ~10 min on 2 quiet cores
+  python -m benchmarks.remat_plan --quick      # seconds (the smoke test)
+  python -m benchmarks.remat_plan --depths 16 --rounds 5 --only none full nested
 
 Writes ``benchmarks/results/remat_plan.json`` and ``remat_plan.png``.
 """
@@ -33,24 +33,19 @@ Writes ``benchmarks/results/remat_plan.json`` and ``remat_plan.png``.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import haiku as hk  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-
-import stacktools as st  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
+import stacktools as st
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
 
 NAME = "remat_plan"
 MiB = 2 ** 20

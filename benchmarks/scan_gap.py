@@ -12,7 +12,7 @@ measured side by side in this one process:
   example's default, and at batch 8 ``st.Stacked`` with ``unroll`` 2 and 4.
   Each: the median step over alternated rounds, the compiled temp memory, the
   compile time. The pairs of :data:`PROFILED` are then profiled
-  (``benchmarks/device_profile.py``): device time by kind of op, and the
+  (``benchmarks/common/device_profile.py``): device time by kind of op, and the
   scanned program's minus the unrolled one's by op and output shape (a
   stacked buffer's leading layer axis dropped, so its writes group with the
   value they hold).
@@ -20,8 +20,8 @@ measured side by side in this one process:
   the trace of the model (``step.trace_model``), then ``jax.jit(init)``
   lowered, compiled and run, then the AdamW state's init, each in seconds.
 
-  python benchmarks/scan_gap.py           # on the accelerator: the published run
-  python benchmarks/scan_gap.py --quick   # the smoke test (tiny sizes, CPU)
+  python -m benchmarks.scan_gap           # on the accelerator: the published run
+  python -m benchmarks.scan_gap --quick   # the smoke test (tiny sizes, CPU)
 
 Writes ``benchmarks/results/scan_gap_<device>.json`` after each part (a run cut
 short still reports) and its plot ``scan_gap_<device>.png``.
@@ -31,27 +31,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# pylint: disable=wrong-import-position
 import haiku as hk
 import jax
 import optax
 
-from benchmarks import accelerator
-from benchmarks import device_profile
-from benchmarks import fast_compile
-from benchmarks import harness
-from benchmarks import instruments
+from benchmarks.common import accelerator
+from benchmarks.common import device_profile
+from benchmarks.common import device_runs
+from benchmarks.common import fast_compile
+from benchmarks.common import harness
+from benchmarks.common import instruments
 from examples.gpt import model as model_lib
 from examples.gpt import step as step_lib
-# pylint: enable=wrong-import-position
 
 NAME = "scan_gap"
 PARTS = ("gpt", "init")
@@ -90,7 +84,7 @@ def gpt_step(size: dict[str, int], stack: str, remat: Any, unroll: int):
 def gpt_part(part: dict[str, Any], size: dict[str, Any], args, options, report) -> None:
   """Each batch's runs compiled, timed and recorded into ``part``; at the
   first batch, each of :data:`PROFILED`'s programs profiled after its timing
-  (on a TPU a program is dropped once timed: see ``accelerator.time_runs``)."""
+  (on a TPU a program is dropped once timed: see ``device_runs.time_runs``)."""
   held: dict[str, Any] = {}
 
   def params_of(stack: str) -> Any:
@@ -117,22 +111,22 @@ def gpt_part(part: dict[str, Any], size: dict[str, Any], args, options, report) 
       specs.append((record, gpt_step(size, stack, remat, unroll),
                     # On a TPU lowered from shapes: the parameters are put on the
                     # device one layout at a time (params_of); a CPU warms each
-                    # program up right after compiling it (accelerator.compile_runs).
-                    (params_of(stack) if accelerator.hold_programs() else shapes[stack],
+                    # program up right after compiling it (device_runs.compile_runs).
+                    (params_of(stack) if device_runs.hold_programs() else shapes[stack],
                      tokens), None))
     harness.log(f"gpt, batch {batch}: compiling {len(specs)}")
-    runs = accelerator.compile_runs(specs, options, args.compile_threads)
+    runs = device_runs.compile_runs(specs, options, args.compile_threads)
     for run in runs:
       run.args = (params_of(run.record["stack"]), tokens) if run.ok else ()
       compiled = run.compiled   # time_runs drops it on a TPU
-      accelerator.time_runs([run], args.rounds, args.steps)
+      device_runs.time_runs([run], args.rounds, args.steps)
       if ("step_s" in run.record and batch == size["batches"][0]
           and run.record["label"] in profiled):
         try:
           profiles[run.record["label"]] = device_profile.profile(compiled, run.args,
                                                                  args.profile_steps)
         except Exception as e:  # pylint: disable=broad-except
-          profiles[run.record["label"]] = accelerator.failure(e)
+          profiles[run.record["label"]] = device_runs.failure(e)
       run.compiled = compiled = None
       run.args = ()
       gc.collect()
@@ -220,7 +214,7 @@ def markdown(payload: dict[str, Any]) -> str:
   summary = payload.get("summary", {})
   for r in payload.get("gpt", {}).get("runs", []):
     if "step_s" not in r:
-      lines.append(f"| {r['batch']} | {r['label']} | {accelerator.oom_text(r)} | | | |"
+      lines.append(f"| {r['batch']} | {r['label']} | {device_runs.oom_text(r)} | | | |"
                    if "out_of_memory" in r else
                    f"| {r['batch']} | {r['label']} | {r.get('error', 'not run')[:60]} | | | |")
       continue
@@ -275,14 +269,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args.compile_threads = 1 if jax.default_backend() == "cpu" else 6
   size = SIZES["quick" if args.quick else "accelerator"]
   options = fast_compile.CODEGEN if args.quick and jax.default_backend() == "cpu" else None
-  name = f"{NAME}_{accelerator.device_slug()}"
+  name = f"{NAME}_{device_runs.device_slug()}"
   start = time.perf_counter()
   payload: dict[str, Any] = {
       "question": __doc__.strip().splitlines()[0], "command": harness.command_line(),
       "quick": args.quick, "name": name,
       "config": {"size": size, "parts": args.parts, "rounds": args.rounds,
                  "steps": args.steps, "profile_steps": args.profile_steps,
-                 "bytes_limit": accelerator.bytes_limit()},
+                 "bytes_limit": device_runs.bytes_limit()},
       "environment": harness.environment()}
 
   def report() -> None:
@@ -300,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       else:
         init_part(part, size)
     except Exception as e:  # pylint: disable=broad-except
-      part["failed"] = accelerator.failure(e)
+      part["failed"] = device_runs.failure(e)
     report()
   payload["seconds"] = time.perf_counter() - start
   payload["summary"] = summarise(payload)

@@ -19,9 +19,9 @@ For each mesh:
 Eight virtual devices share this machine's cores: the step times show the
 cost of the collectives and of splitting small matmuls, not a speed-up.
 
-  python benchmarks/sharding.py               # full run, ~2 min on 2 cores
-  python benchmarks/sharding.py --quick       # seconds (the smoke test: 2 meshes)
-  python benchmarks/sharding.py --meshes data:8 fsdp:8 --d_model 256
+  python -m benchmarks.sharding               # full run, ~2 min on 2 cores
+  python -m benchmarks.sharding --quick       # seconds (the smoke test: 2 meshes)
+  python -m benchmarks.sharding --meshes data:8 fsdp:8 --d_model 256
 
 JAX fixes its device count when it starts, so this script puts
 ``--xla_force_host_platform_device_count=8`` into ``XLA_FLAGS`` before it
@@ -49,19 +49,15 @@ if "jax" not in sys.modules:
 
 # pylint: disable=wrong-import-position
 import time
-from pathlib import Path
 from typing import Any, Optional
-
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import haiku as hk
 import jax
 import numpy as np
 import optax
 
-from benchmarks import harness
-from benchmarks import instruments
+from benchmarks.common import harness
+from benchmarks.common import instruments
 from examples.gpt import distributed
 from examples.gpt import model as model_lib
 from examples.gpt import model_config

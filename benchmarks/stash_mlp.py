@@ -22,31 +22,24 @@ For each: the median step of ``value_and_grad`` over alternated rounds, the
 compiled temp memory, and the largest difference of its gradients from the
 loop's, relative to the largest gradient.
 
-  python benchmarks/stash_mlp.py           # on a TPU: the published run
-  python benchmarks/stash_mlp.py --quick   # the smoke test (CPU, interpret mode)
+  python -m benchmarks.stash_mlp           # on a TPU: the published run
+  python -m benchmarks.stash_mlp --quick   # the smoke test (CPU, interpret mode)
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# pylint: disable=wrong-import-position
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 import stacktools as st
-from benchmarks import accelerator
-from benchmarks import harness
-from benchmarks import stash_kernels
-# pylint: enable=wrong-import-position
+from benchmarks.common import device_runs
+from benchmarks.common import harness
+from benchmarks.common import stash_kernels
 
 NAME = "stash_mlp"
 VARIANTS = ("loop", "scan", "stacked", "owned_xla", "owned_pallas")
@@ -211,7 +204,7 @@ def markdown(payload: dict[str, Any]) -> str:
   base = rows.get("loop", {}).get("step_s")
   for r in payload.get("runs", []):
     if "step_s" not in r:
-      lines.append(f"| {r['label']} | {r.get('error', accelerator.oom_text(r))[:80]} | | | |")
+      lines.append(f"| {r['label']} | {r.get('error', device_runs.oom_text(r))[:80]} | | | |")
       continue
     ratio = f"{r['step_s'] / base:.2f}x" if base else ""
     lines.append(f"| {r['label']} | {1e3 * r['step_s']:.2f} | {ratio} | "
@@ -266,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   harness.log(f"float32 check: {payload['float32_check']}")
   params, x = inputs(size, jnp.bfloat16)
   specs = [({"label": name}, variant(name, blocks), (params, x), None) for name in VARIANTS]
-  runs = accelerator.compile_runs(specs, None, 1)
+  runs = device_runs.compile_runs(specs, None, 1)
   want = None
   for run in runs:   # the gradients of each against the loop's, then its timing
     if run.ok:
@@ -275,7 +268,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         want = jax.tree.map(_np, out)
       run.record["grads_error"] = grads_error(out, want)
       del out
-  accelerator.time_runs(runs, args.rounds, args.steps)
+  device_runs.time_runs(runs, args.rounds, args.steps)
   payload["runs"] = [r.record for r in runs]
   payload["seconds"] = time.perf_counter() - start
   payload["summary"] = {r["label"]: r["step_s"] for r in payload["runs"] if "step_s" in r}

@@ -23,9 +23,9 @@ and this process's CPU time (``time.process_time``, all XLA threads), which a
 busy shared machine disturbs far less: stacked/none and lax_scan/none compile
 to the same program, and their CPU-time ratio is the noise floor.
 
-  python benchmarks/step_time.py               # full run, ~4 min on 2 cores
-  python benchmarks/step_time.py --quick       # seconds (the smoke test)
-  python benchmarks/step_time.py --model mlp --num_layers 36 --rounds 15
+  python -m benchmarks.step_time               # full run, ~4 min on 2 cores
+  python -m benchmarks.step_time --quick       # seconds (the smoke test)
+  python -m benchmarks.step_time --model mlp --num_layers 36 --rounds 15
 
 Writes ``benchmarks/results/step_time.json`` and ``step_time.png``.
 """
@@ -34,21 +34,16 @@ from __future__ import annotations
 
 import collections
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
 
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-
-from benchmarks import contenders  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import instruments  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
+from benchmarks.common import contenders
+from benchmarks.common import harness
+from benchmarks.common import instruments
+from benchmarks.common import models
 
 NAME = "step_time"
 IMPLS = ("stacked", "lax_scan", "hk_layer_stack")

@@ -102,8 +102,9 @@ def _docs_on_devices(folder: Path, items=()) -> tuple[list[str], dict[str, str]]
 #: --results_dir``.
 BENCHMARKS = {"memory": (), "mixed_layers": ("--no_plot",), "compile_time": (),
               "step_time": (), "layer_rules": (), "depth_edits": (), "remat_plan": (),
-              "pipeline": (), "accelerator": (), "decode": (), "scan_gap": (),
-              "stash_mlp": ()}
+              "pipeline": (), "accelerator_gpt": (), "accelerator_decode": (),
+              "accelerator_offload": (), "accelerator_train": (), "decode": (),
+              "scan_gap": (), "stash_mlp": ()}
 #: Marks the line that says what a benchmark's main() gave back.
 DONE = "stacktools-benchmark-done: "
 #: Calls each benchmark's main(["--quick", "--results_dir", FOLDER/<name>, ...])

@@ -12,10 +12,10 @@ The quick runs happen one after the other in one process of their own,
 started as soon as the tests are collected (tests/background.py), whose JAX
 has one device as this one's has: ``pipeline.py``'s main() starts the script
 again with 8, ``decode.py``'s a child under another XLA scheduler, as they
-did here. ``init_time.py`` also runs as a user runs it, ``python
-benchmarks/init_time.py --quick``, in a subprocess that cannot import
-matplotlib: it must print one line, write no PNG, and write into the
-scratch folder. ``nanogpt_cpu.py`` runs here, with stand-ins for the two
+did here. ``init_time.py`` also runs as a user runs it, ``python -m
+benchmarks.init_time --quick`` from the repository root, in a subprocess
+that cannot import matplotlib: it must print one line, write no PNG, and
+write into the scratch folder. ``nanogpt_cpu.py`` runs here, with stand-ins for the two
 programs it compares.
 """
 
@@ -39,13 +39,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import accelerator  # pylint: disable=wrong-import-position
+from benchmarks import accelerator_decode  # pylint: disable=wrong-import-position
+from benchmarks import accelerator_gpt  # pylint: disable=wrong-import-position
+from benchmarks import accelerator_offload  # pylint: disable=wrong-import-position
+from benchmarks import accelerator_train  # pylint: disable=wrong-import-position
 from benchmarks import compile_time  # pylint: disable=wrong-import-position
 from benchmarks import decode  # pylint: disable=wrong-import-position
-from benchmarks import device_profile  # pylint: disable=wrong-import-position
+from benchmarks.common import accelerator  # pylint: disable=wrong-import-position
+from benchmarks.common import device_profile  # pylint: disable=wrong-import-position
+from benchmarks.common import device_runs  # pylint: disable=wrong-import-position
 from benchmarks import depth_edits  # pylint: disable=wrong-import-position
-from benchmarks import fast_compile  # pylint: disable=wrong-import-position
-from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks.common import fast_compile  # pylint: disable=wrong-import-position
+from benchmarks.common import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import layer_rules  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
@@ -359,7 +364,7 @@ def test_nanogpt_cpu_side_by_side_with_stand_ins(tmp_path, monkeypatch):
 
 def test_scan_gap_quick():
   benchmark, folder = _quick(scan_gap)
-  name = f"scan_gap_{accelerator.device_slug()}"
+  name = f"scan_gap_{device_runs.device_slug()}"
   result = json.loads((folder / f"{name}.json").read_text())
   assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == name
   # Every stack, remat and unroll at each batch, measured.
@@ -416,25 +421,37 @@ def test_stash_mlp_quick():
     assert _positive_number(run["step_s"]) and run["grads_error"] <= 5e-2, run
 
 
-def test_accelerator_quick():
-  # Every part, at the --quick preset's sizes (--small's are the same code at
-  # larger sizes).
-  benchmark, folder = _quick(accelerator)
-  name = accelerator.result_name()
-  assert name == f"accelerator_{accelerator.device_slug()}"
+def _accelerator_quick(module):
+  """The JSON of one accelerator script's quick run (--small's is the same
+  code at larger sizes), checked as every part's; and its sizes."""
+  benchmark, folder = _quick(module)
+  name = module.PART.result_name()
+  assert name == f"{module.NAME}_{device_runs.device_slug()}"
   result = json.loads((folder / f"{name}.json").read_text())
   assert COMMON_KEYS <= set(result) and result["benchmark"] == benchmark == name
   assert result["preset"] == "quick" and result["quick"] is True
-  sizes = accelerator.SIZES["quick"]
+  assert result["config"]["rounds"] == 2
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
     assert (folder / f"{name}.png").stat().st_size > 0
   except ImportError:
     pass
-  # The GPT: every stack and policy, float32 and bfloat16 compute, measured.
+  # The page's section: the run, the command, the run's table and the
+  # part's, and the plot.
+  markdown = result["markdown"]
+  assert markdown.startswith("| run | machine | versions | took |")
+  assert f"```bash\n{result['command']}\n```" in markdown
+  assert markdown.count("|---|") >= 2 and f"results/{name}.png)" in markdown
+  assert "failed" not in result[module.PART.name], result[module.PART.name]
+  return result, accelerator.SIZES["quick"]
+
+
+def test_accelerator_gpt_quick():
+  result, _ = _accelerator_quick(accelerator_gpt)
+  # Every stack and policy, float32 and bfloat16 compute, measured.
   runs = {(r["label"], r["dtype"]): r for r in result["gpt"]["runs"]}
-  assert set(runs) == {(label, dtype) for label, _, _ in accelerator.GPT_RUNS
-                       for dtype in accelerator.DTYPES}
+  assert set(runs) == {(label, dtype) for label, _, _ in accelerator_gpt.GPT_RUNS
+                       for dtype in accelerator_gpt.DTYPES}
   for run in runs.values():
     for key in ("step_s", "temp_bytes", "compile_s"):
       assert _positive_number(run[key]), (key, run)
@@ -442,25 +459,36 @@ def test_accelerator_quick():
   for key, ratios in result["summary"]["gpt"].items():
     assert all(_positive_number(v) for v in ratios.values()), (key, ratios)
   # What the scanned stack without remat keeps is below what save_all keeps.
-  for dtype in accelerator.DTYPES:
+  for dtype in accelerator_gpt.DTYPES:
     assert (runs[("Stacked, none", dtype)]["temp_bytes"]
             < runs[("Stacked, save_all", dtype)]["temp_bytes"])
-  # Decode: each contender and the floor at each point; in place and sliced
-  # decode the same logits.
+  assert "**GPT, one `value_and_grad` step**" in result["markdown"]
+
+
+def test_accelerator_decode_quick():
+  result, sizes = _accelerator_quick(accelerator_decode)
+  # Each contender and the floor at each point; in place and sliced decode
+  # the same logits.
   rows = result["decode"]["rows"]
   assert [(r["batch"], r["dtype"]) for r in rows] == list(sizes["decode"]["points"])
   assert [r["dtype"] for r in rows] == ["float32", "float32", "bfloat16"]
   assert rows[0]["batch"] == rows[2]["batch"]
   for row in rows:
     assert not row["out_of_memory"], row
-    for contender in ("floor",) + accelerator.DECODED:
+    for contender in ("floor",) + accelerator_decode.DECODED:
       assert _positive_number(row[f"{contender}_ms"]), (contender, row)
     assert row["pos"] == row["seq_len"] // 2
     tolerance = 1e-5 if row["dtype"] == "float32" else 1e-2
     assert row["in_place_vs_sliced_max_abs_diff"] <= tolerance, row
     assert row["memory"]["in_place"]["alias_bytes"] >= row["cache_bytes"]   # donated
   assert rows[2]["cache_bytes"] == rows[0]["cache_bytes"] // 2   # bfloat16
-  # Offload: full's gradients, and no link to measure on a CPU.
+  assert "decode: in place <= 1.2x the floor" in result["summary"]["goals"]
+  assert "**Decode, ms per token**" in result["markdown"]
+
+
+def test_accelerator_offload_quick():
+  result, _ = _accelerator_quick(accelerator_offload)
+  # Full's gradients, and no link to measure on a CPU.
   part = result["offload"]
   for key in ("mlp", "wide_gpt"):
     for remat in ("full", "offload"):
@@ -471,39 +499,38 @@ def test_accelerator_quick():
   link = part["link"]
   assert link["device_to_host_gb_s"] is None and link["host_to_device_gb_s"] is None
   assert "CPU" in link["why_not"]
-  assert set(result["summary"]["goals"]) >= {
-      "decode: in place <= 1.2x the floor", "offload MLP: <= 1.15x max(full, transfer)"}
-  # The train step: every remat at each batch, tokens/s from its step, no
-  # MFU where the device's peak is unknown (a CPU).
+  assert "offload MLP: <= 1.15x max(full, transfer)" in result["summary"]["goals"]
+  assert "**Offload against full**" in result["markdown"]
+
+
+def test_accelerator_train_quick():
+  result, _ = _accelerator_quick(accelerator_train)
+  # Every remat at each batch, tokens/s from its step, no MFU where the
+  # device's peak is unknown (a CPU).
   part = result["train"]
   size = part["size"]
   assert part["peak_flops"] is None
   assert {(r["label"], r["batch"]) for r in part["runs"]} == {
-      (label, b) for label, _ in accelerator.TRAIN_REMATS for b in size["batches"]}
+      (label, b) for label, _ in accelerator_train.TRAIN_REMATS for b in size["batches"]}
   for run in part["runs"]:
     assert run["tokens_s"] == pytest.approx(run["batch"] * size["seq_len"] / run["step_s"])
     assert run["mfu"] is None and run["attention"] == "xla"
     assert run["flops_per_token"] > 12 * size["layers"] * size["d_model"] * size["seq_len"]
-  # The page's section: the run, the command, four tables and the plot.
-  markdown = result["markdown"]
-  assert markdown.startswith("| run | machine | versions | took |")
-  assert f"```bash\n{result['command']}\n```" in markdown
-  assert markdown.count("|---|") >= 5 and f"results/{name}.png)" in markdown
-  assert "**The example's train step**" in markdown
+  assert "**The example's train step**" in result["markdown"]
 
 
 def test_accelerator_records_what_does_not_fit():
   # XLA:TPU's compile-time message, and a run-time allocation's.
-  oom = accelerator.out_of_memory(RuntimeError(
+  oom = device_runs.out_of_memory(RuntimeError(
       "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
       "space hbm. Used 16.80G of 15.75G hbm. Exceeded hbm capacity by 1.05G."))
   assert oom["bytes_needed"] == int(16.80 * 2**30)
-  oom = accelerator.out_of_memory(RuntimeError(
+  oom = device_runs.out_of_memory(RuntimeError(
       "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6442450944 bytes."))
   assert oom["bytes_needed"] == 6442450944
-  assert accelerator.out_of_memory(ValueError("shapes do not match")) is None
-  assert accelerator.device_slug("TPU v5 lite") == "tpu_v5_lite"
-  assert accelerator.device_slug("NVIDIA H200") == "nvidia_h200"
+  assert device_runs.out_of_memory(ValueError("shapes do not match")) is None
+  assert device_runs.device_slug("TPU v5 lite") == "tpu_v5_lite"
+  assert device_runs.device_slug("NVIDIA H200") == "nvidia_h200"
 
   # A configuration whose compile runs out of memory is recorded, and the
   # others are still timed.
@@ -511,12 +538,12 @@ def test_accelerator_records_what_does_not_fit():
     raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. "
                        "Used 2.00G of 1.00G hbm.")
   x = jax.numpy.ones(3)
-  runs = [accelerator.compile_run({"label": "too big"}, too_big, (x,), None),
-          accelerator.compile_run({"label": "fits"}, lambda x: x * 2, (x,), None)]
-  accelerator.time_runs(runs, rounds=2, steps=1)
+  runs = [device_runs.compile_run({"label": "too big"}, too_big, (x,), None),
+          device_runs.compile_run({"label": "fits"}, lambda x: x * 2, (x,), None)]
+  device_runs.time_runs(runs, rounds=2, steps=1)
   assert runs[0].record["out_of_memory"]["bytes_needed"] == 2 * 2**30
   assert "step_s" not in runs[0].record and _positive_number(runs[1].record["step_s"])
-  assert accelerator._cells(runs[0].record)[0] == "out of memory (2.0 GiB needed)"  # pylint: disable=protected-access
+  assert device_runs.cells(runs[0].record)[0] == "out of memory (2.0 GiB needed)"
 
   # A batch is halved until its program fits in 80% of the device's memory.
   class Program:
@@ -527,9 +554,9 @@ def test_accelerator_records_what_does_not_fit():
       return type("Stats", (), dict(argument_size_in_bytes=0, output_size_in_bytes=0,
                                     alias_size_in_bytes=0,
                                     temp_size_in_bytes=self.batch * 100))()
-  batch, (program, _), tries = accelerator.fit_batch(16, Program, 1000, "test")
+  batch, (program, _), tries = device_runs.fit_batch(16, Program, 1000, "test")
   assert batch == program.batch == 8 and [t["batch"] for t in tries] == [16, 8]
-  assert accelerator.fit_batch(16, Program, None, "test") == (16, None, [])
+  assert device_runs.fit_batch(16, Program, None, "test") == (16, None, [])
 
 
 def _results_snapshot():
@@ -554,19 +581,25 @@ def _in_a_git_work_tree():
 
 @pytest.mark.jax_independent
 def test_every_script_writes_through_the_harness():
-  # The harness chooses the folder (a scratch one for a preset) and writes.
+  # The harness chooses the folder (a scratch one for a preset) and writes;
+  # an accelerator script hands its part to common/accelerator.py's main(),
+  # which does.
+  hands_over = (REPO_ROOT / "benchmarks" / "common" / "accelerator.py").read_text()
+  assert "harness.parse_args(" in hands_over and "harness.publish(" in hands_over
   for script in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
     text = script.read_text()
-    if "def main(" not in text or script.name == "nanogpt_prep.py":
+    if "def main(" not in text:
       continue
-    assert "harness.parse_args(" in text and "harness.publish(" in text, script.name
+    assert ("harness.parse_args(" in text and "harness.publish(" in text) or (
+        "accelerator.main(PART, argv)" in text), script.name
     for writer in (".savefig(", "json.dump(", "write_json(", "save_plot("):
       assert writer not in text.replace("harness.write_json(", ""), (script.name, writer)
 
 
 def test_init_time_as_a_script_without_matplotlib_leaves_the_published_results_alone(
     tmp_path):
-  """``python benchmarks/init_time.py --quick``, as a user runs it, where
+  """``python -m benchmarks.init_time --quick``, as a user runs it from the
+  repository root, where
   matplotlib cannot be imported: one line says so, no PNG; and with no
   --results_dir it writes into the scratch folder, leaving every published
   result as it was (git status, the folder's listing, each file's hash and
@@ -581,8 +614,8 @@ def test_init_time_as_a_script_without_matplotlib_leaves_the_published_results_a
   git = _in_a_git_work_tree()
   before = _results_snapshot() if git else None
   done = subprocess.run(
-      [sys.executable, str(REPO_ROOT / "benchmarks" / "init_time.py"), "--quick"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+      [sys.executable, "-m", "benchmarks.init_time", "--quick"],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   if git:   # without git there is no status to compare
     assert _results_snapshot() == before
@@ -606,29 +639,33 @@ def test_flags_reject_bad_lists():
     compile_time.build_parser().parse_args(["--depths", "4,0"])
 
 
-def _benchmark_imports(module_name):
-  """The ``benchmarks.<name>`` modules that ``benchmarks/<module_name>.py`` imports."""
-  tree = ast.parse((REPO_ROOT / "benchmarks" / f"{module_name}.py").read_text())
+def _benchmark_imports(path):
+  """The modules of ``benchmarks`` that ``benchmarks/<path>`` imports, named
+  as under ``benchmarks/`` (``common.models``, ``decode``)."""
+  tree = ast.parse((REPO_ROOT / "benchmarks" / path).read_text())
   names = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
-      names.update(alias.name for alias in node.names)
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
-      names.add(node.module.split(".")[1])
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "benchmarks":
+      package = node.module.split(".")[1:]
+      names.update(".".join(package + [alias.name]) for alias in node.names)
     elif isinstance(node, ast.Import):
-      names.update(a.name.split(".")[1] for a in node.names
+      names.update(a.name.split(".", 1)[1] for a in node.names
                    if a.name.startswith("benchmarks."))
   return names
 
 
 @pytest.mark.jax_independent
 def test_shared_modules_import_one_way():
-  # The measuring and publishing modules know nothing of what they measure.
-  assert _benchmark_imports("harness") == set()
-  assert _benchmark_imports("fast_compile") == set()
-  assert _benchmark_imports("instruments") == set()
-  assert _benchmark_imports("models") == set()
-  assert _benchmark_imports("contenders") == {"models"}
+  # The shared modules import no script, and the measuring and publishing
+  # ones know nothing of what they measure.
+  common = sorted((REPO_ROOT / "benchmarks" / "common").glob("*.py"))
+  assert len(common) > 5
+  for path in common:
+    imported = _benchmark_imports(f"common/{path.name}")
+    assert all(name.startswith("common.") for name in imported), (path.name, imported)
+  for name in ("harness", "fast_compile", "instruments", "models", "report"):
+    assert _benchmark_imports(f"common/{name}.py") == set(), name
+  assert _benchmark_imports("common/contenders.py") == {"common.models"}
 
 
 def test_fast_compile_keeps_only_flags_xla_knows():

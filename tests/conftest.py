@@ -1,7 +1,7 @@
 """Puts the repository root on sys.path, so tests import stacktools and examples.
 
 Also compiles with XLA's cheapest CPU code generation
-(``benchmarks/fast_compile.py``, ``TESTS``): the tests compile hundreds of
+(``benchmarks/common/fast_compile.py``, ``TESTS``): the tests compile hundreds of
 small programs, and these settings cut their time about 5x. They change how
 the generated code is emitted and optimised, not the program XLA builds (its
 HLO, its buffers and their sizes), so memory measurements and results hold;
@@ -33,7 +33,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import fast_compile  # pylint: disable=wrong-import-position
+from benchmarks.common import fast_compile  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = fast_compile.with_flags(os.environ.get("XLA_FLAGS", ""))
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

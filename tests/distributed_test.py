@@ -21,7 +21,7 @@ other tests leave idle):
   second pair that resumes from their checkpoint to step 10, in one shared
   workdir. (JAX's persistent cache cannot shorten these: process 1's cache
   keys differ from process 0's, and only process 0 writes entries.);
-* ``benchmarks/sharding.py --quick``;
+* ``python -m benchmarks.sharding --quick``;
 * the bad-flag command lines, one after another in one interpreter on 8
   devices (``gpt_driver.drive_cli``), and a pair of processes given two
   workdirs.
@@ -60,12 +60,12 @@ import pytest
 
 import background
 import gpt_driver as gpt
-from benchmarks import harness
+from benchmarks.common import harness
 from subprocesses import Command, free_port, start, wait
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
-BENCHMARK = os.path.join(REPO, "benchmarks", "sharding.py")
+BENCHMARK = "benchmarks.sharding"   # run as a module from the repository root
 STEPS, STOP = 10, 5
 # The tests' tiny model; 8 sequences so that a data axis of 8 gets one each.
 TINY = {**gpt.TINY, "steps": STEPS, "batch_size": 8}
@@ -118,7 +118,7 @@ class Runs:
                                        "workdir": self.workdir(SAVED_ON),
                                        "export_npz": self.export("fsdp:8 restore")})])
     self.benchmark = start(
-        [sys.executable, BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
+        [sys.executable, "-m", BENCHMARK, "--quick", "--results_dir", self.workdir("bench")],
         gpt.xla_env(), os.path.join(tmp, "bench.log"))
     self.procs.append(self.benchmark)
     # The bad-flag command lines (test_bad_mesh_batch_and_process_flags_fail_cleanly).

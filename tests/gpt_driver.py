@@ -5,7 +5,7 @@ train ``examples/gpt/train.py`` in subprocesses, and share what is here:
 
 * :data:`TINY`: the flags of a tiny model that trains 20 steps in seconds;
 * :func:`xla_env`: the environment of a run, compiled with XLA's cheap
-  settings (``benchmarks/fast_compile.py``: how fast the code compiles, not
+  settings (``benchmarks/common/fast_compile.py``: how fast the code compiles, not
   what it computes), on as many virtual CPU devices as asked;
 * a *driver* (:func:`start_driver`): a fresh interpreter that calls
   ``train.train(config, workdir)`` in-process once per spec, with no absl
@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from benchmarks import fast_compile
+from benchmarks.common import fast_compile
 from subprocesses import start, wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

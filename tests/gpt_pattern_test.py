@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import fast_compile
+from benchmarks.common import fast_compile
 from examples.gpt import decoding
 from examples.gpt import model as gpt
 from examples.gpt import model_config

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import fast_compile
+from benchmarks.common import fast_compile
 import stacktools as st
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import fast_compile
+from benchmarks.common import fast_compile
 import stacktools as st
 
 from haiku_helpers import assert_close, random_like, random_x, signature

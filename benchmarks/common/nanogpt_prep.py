@@ -7,28 +7,29 @@ validate, ids are ``uint16``. These are exactly the ids and the split that
 ``examples/gpt/data.py`` (``CharDataset.from_text``) makes from the same
 text, so nanoGPT and the example train on the same data.
 
-  python benchmarks/nanogpt_prep.py --data_path=input.txt --out_dir=/tmp/nanogpt_data/stdlib_char
+  python -m benchmarks.common.nanogpt_prep --data_path=input.txt \
+      --out_dir=/tmp/nanogpt_data/stdlib_char
 
 Without ``--data_path`` the text is the example's default corpus, this
 Python's standard-library sources. ``benchmarks/nanogpt_cpu.py`` calls
-:func:`prepare`; nothing here imports torch.
+:func:`prepare`, and :func:`nanogpt_versions` for the versions it runs
+nanoGPT with; nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
-
-from examples.gpt import data as data_lib  # pylint: disable=wrong-import-position
+from examples.gpt import data as data_lib
 
 
 def load_text(data_path: Optional[str]) -> str:
@@ -67,6 +68,26 @@ def prepare(text: str, out_dir: str) -> dict[str, Any]:
     pickle.dump(meta, f)
   return {"vocab_size": dataset.vocab_size, "train_tokens": len(dataset.train),
           "val_tokens": len(dataset.valid)}
+
+
+def nanogpt_versions(args) -> dict[str, Any]:
+  """torch's version and threads, from the user's Python; checks it runs."""
+  code = ("import json, platform, torch, numpy; print(json.dumps({'python': "
+          "platform.python_version(), 'torch': torch.__version__, 'numpy': "
+          "numpy.__version__, 'torch_threads': torch.get_num_threads()}))")
+  done = subprocess.run([args.nanogpt_python, "-c", code], capture_output=True,
+                        text=True, check=False)
+  if done.returncode:
+    sys.exit(f"error: --nanogpt_python={args.nanogpt_python!r} cannot import torch "
+             f"and numpy: {done.stderr.strip().splitlines()[-1:]}; pass a Python "
+             "with both (e.g. a venv with `pip install torch numpy`).")
+  versions = json.loads(done.stdout.strip().splitlines()[-1])
+  head = Path(args.nanogpt_dir) / ".git"
+  if head.exists():
+    rev = subprocess.run(["git", "-C", args.nanogpt_dir, "rev-parse", "HEAD"],
+                         capture_output=True, text=True, check=False)
+    versions["nanogpt_commit"] = rev.stdout.strip() or None
+  return versions
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import stacktools as st
-from benchmarks import models
+from benchmarks.common import models
 
 PyTree = Any
 

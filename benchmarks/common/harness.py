@@ -12,9 +12,11 @@ published results live: a run of a preset (``--quick``, or a script's own
 ``<tmp>/stacktools-benchmarks/<preset>/`` (:func:`results_dir`), unless
 ``--results_dir`` is given, so a smoke run never replaces what the docs quote.
 
-The scripts import the benchmark modules as ``benchmarks.<module>``; run them
-from the repository root (``python benchmarks/memory.py``) or anywhere else:
-each script puts the repository root on ``sys.path`` first.
+The scripts import the shared modules as ``benchmarks.common.<module>``: run
+them as modules from the repository root (``python -m benchmarks.memory``),
+or from anywhere with the root on ``PYTHONPATH``; no script edits
+``sys.path``. A script that runs itself again in a child process does so
+with :func:`run_module`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +38,7 @@ import jax
 
 import stacktools as st
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 #: The flags of the presets that write into a scratch folder (``quick``: every
 #: script; ``small``: a script's CPU-sized run, where it has one).
@@ -50,7 +53,10 @@ NO_MATPLOTLIB = "matplotlib not installed: skipping the plot (pip install matplo
 
 def parser(doc: Optional[str]) -> argparse.ArgumentParser:
   """An argument parser with the flags every benchmark takes."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
   p = argparse.ArgumentParser(
+      prog=(f"python -m {spec.name}" if spec is not None
+            and spec.name.startswith("benchmarks.") else None),
       description=(doc or "").strip().splitlines()[0] if doc else None,
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--quick", action="store_true",
@@ -112,8 +118,24 @@ def str_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def command_line() -> str:
-  """How this run was invoked, for the JSON."""
+  """How this run was invoked, for the JSON: ``python -m benchmarks.<name>
+  ...`` for a script run as a module."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if spec is not None and spec.name.startswith("benchmarks."):
+    return " ".join(["python", "-m", spec.name] + sys.argv[1:])
   return " ".join(["python", _display(Path(sys.argv[0]))] + sys.argv[1:])
+
+
+def run_module(module: str, argv: Sequence[str], env: Optional[dict[str, str]] = None,
+               **kwargs: Any) -> subprocess.CompletedProcess:
+  """Runs ``python -m <module> <argv>`` in a child process, the repository
+  root first on its ``PYTHONPATH`` (so it runs from any folder), with
+  ``env`` (default: this process's) and ``subprocess.run``'s ``kwargs``."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  return subprocess.run([sys.executable, "-m", module, *argv], env=env, check=False,
+                        **kwargs)
 
 
 def log(message: str) -> None:
@@ -201,15 +223,6 @@ def save_plot(results_dir: Path, name: str, draw: Callable[[Any], Any]) -> Optio
   pyplot.close(fig)
   print(f"wrote {_display(path)}")
   return path
-
-
-def depth_axis(ax: Any, depths: Iterable[int]) -> None:
-  """A log2 x axis labelled "layers L", ticked at the measured depths."""
-  depths = sorted(set(depths))
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(depths, [str(d) for d in depths])
-  ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-  ax.set_xlabel("layers L")
 
 
 def _display(path: Path) -> str:
