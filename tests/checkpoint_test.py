@@ -178,7 +178,10 @@ def test_keep_checkpoints_rotates_old_steps(runs):
   assert sorted(os.listdir(saving.folder(workdir))) == [str(STEPS - EVERY), str(STEPS)]
   step, meta = saving.latest(workdir)
   assert step == meta["step"] == STEPS
-  assert set(meta) == {"step", "sampler_state", "config", "chars", "optimizer"}
+  # dtype: what sample.py decodes in by default (not in config: a run
+  # resumes under either).
+  assert set(meta) == {"step", "sampler_state", "config", "chars", "optimizer", "dtype"}
+  assert meta["dtype"] == "float32"
   assert meta["config"]["num_layers"] == gpt.NUM_LAYERS
   json.loads(meta["sampler_state"])  # the data sampler's generator state
 
