@@ -52,6 +52,13 @@ def _aval_bytes(aval: Any) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
+def _cpu_widens_16_bit_floats() -> bool:
+  """Whether the compiled program keeps 16-bit float residuals as float32:
+  measured on XLA's CPU backend of jaxlib 0.10 (it computes them in float32),
+  not of jaxlib 0.12 (it keeps bfloat16), nor on a TPU."""
+  return jax.default_backend() == "cpu" and jax.__version_info__ < (0, 12)
+
+
 def _kept_bytes(aval: Any, widened: bool) -> int:
   """What the compiled program keeps of a residual: its bytes, or, where
   ``widened``, a 16-bit float's as float32's. XLA's CPU backend computes
@@ -153,7 +160,7 @@ class Layer:
       elif any(v in varying for v in ins):
         varying.update(eqn.outvars)   # depends on the carry or the slice
     kept = host = 0
-    widened = jax.default_backend() == "cpu"
+    widened = _cpu_widens_16_bit_floats()
     for v in residuals - defined_backward:
       # The slice of the inputs is read from them; a value that depends on
       # neither carry nor slice is a loop invariant, kept once.
