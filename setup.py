@@ -34,7 +34,7 @@ setuptools.setup(
     # jax 0.12.1 is left out: its XLA:CPU partitioner aborts on the
     # interleaved pipeline's scatter (spmd_partitioner_util "Check failed"),
     # and a resumed two-process run that loads its step from a persistent
-    # compilation cache hangs (tests/gpt_pipeline_test.py, distributed_test.py).
+    # compilation cache hangs (tests/example/gpt_pipeline_test.py, distributed_test.py).
     install_requires=[
         "jax>=0.10.2,<0.12.1",
         "jaxlib>=0.10.2,<0.12.1",

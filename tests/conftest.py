@@ -1,4 +1,6 @@
-"""Puts the repository root on sys.path, so tests import stacktools and examples.
+"""Puts the repository root and tests/helpers on sys.path, so tests import
+stacktools, examples and benchmarks, and the shared helpers by their bare
+names (``import gpt_driver``) from any folder under tests/.
 
 Also compiles with XLA's cheapest CPU code generation
 (``benchmarks/common/fast_compile.py``, ``TESTS``): the tests compile hundreds of
@@ -19,7 +21,7 @@ already set wins.
 
 Once the tests are collected, the slow subprocesses that some of them check
 (pipelines and doc examples on 8 devices, the pipeline benchmark) start in
-the background, one after the other (``tests/background.py``): this process
+the background, one after the other (``tests/helpers/background.py``): this process
 compiles on one core, and they run on the other; the modules that wait for
 them run last. The Haiku layer_stack tests run first (see
 ``pytest_collection_modifyitems``).
@@ -31,7 +33,8 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_TESTS), os.path.join(_TESTS, "helpers")]
 
 from benchmarks.common import fast_compile  # pylint: disable=wrong-import-position
 
@@ -47,8 +50,9 @@ import background  # pylint: disable=wrong-import-position
 
 
 def pytest_collection_modifyitems(items):
-  """Runs tests/haiku_layer_stack_test.py first, and last the modules that
-  wait for a background job (tests/background.py), which meanwhile runs.
+  """Runs tests/library/haiku_layer_stack_test.py first, and last the modules
+  that wait for a background job (tests/helpers/background.py), which
+  meanwhile runs.
 
   Some of Haiku's tests run with ``jax.check_tracer_leaks``, which collects
   garbage at the end of every trace: a collection walks every live object,
@@ -60,7 +64,7 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-  """Starts the subprocesses that the selected tests wait for (tests/background.py)."""
+  """Starts the subprocesses that the selected tests wait for (tests/helpers/background.py)."""
   if not session.config.option.collectonly:
     background.start(session.items)
 
@@ -71,7 +75,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-  """Counts the doc examples the run ran (tests/docs_test.py), if any."""
+  """Counts the doc examples the run ran (tests/docs/docs_test.py), if any."""
   doc_examples = sys.modules.get("doc_examples")
   if doc_examples is not None and any(doc_examples.COUNTS.values()):
     counts = doc_examples.COUNTS

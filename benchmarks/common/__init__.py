@@ -14,7 +14,7 @@
 * ``stash_kernels``: the Pallas matmuls of ``stash_mlp``;
 * ``nanogpt_prep``: a text as nanoGPT's character-level dataset.
 
-These modules import none of the scripts (``tests/benchmarks_test.py``
+These modules import none of the scripts (``tests/build/benchmarks_test.py``
 checks it). The scripts, one per question, sit one folder up and run as
 modules from the repository root: ``python -m benchmarks.<name>``.
 """

@@ -8,7 +8,7 @@ test suite 12.2 -> 8.7 minutes; a memory measurement about half). One
 exception to the last bit: at level 0, XLA:CPU's fusion emitters (jaxlib
 0.12 has no others) round tanh differently in different kernels, so two
 programs of the same operations can differ by an ulp where the default
-level gives equal bits (tests/in_place_test.py, gpt_pipeline_test.py).
+level gives equal bits (tests/library/in_place_test.py, gpt_pipeline_test.py).
 
 * :data:`CODEGEN`: LLVM at optimisation level 0, without its expensive
   passes. Benchmarks pass it as compile options

@@ -5,7 +5,7 @@ test file as its first argument, so the tests stay plain pytest files (test_*
 functions, parametrize, fixtures such as tmp_path, conftest.py) and run
 unchanged under both `python -m pytest` and `bazel test`:
 
-  python tools/bazel/pytest_runner.py tests/scan_test.py [pytest args...]
+  python tools/bazel/pytest_runner.py tests/library/loops_test.py [pytest args...]
 
 Under Bazel it also wires pytest into what Bazel provides: the JUnit XML that
 Bazel reads per test case ($XML_OUTPUT_FILE), the per-test scratch directory

@@ -3,7 +3,7 @@
 * Every ```python block of README.md and docs/ runs (a page's blocks in order,
   in one namespace; pages that build meshes in a subprocess with 8 virtual
   devices), and every ``Example::`` block of a docstring in stacktools/ runs
-  (tests/doc_examples.py is the collector). The run ends with a line that
+  (tests/helpers/doc_examples.py is the collector). The run ends with a line that
   counts them (tests/conftest.py prints it).
 * A deliberately broken example, in a temporary copy of a page and of a
   module, fails the collector at its line.
@@ -48,7 +48,7 @@ def on_devices():
   """The pages that build meshes and the docstring examples, run in one
   subprocess with 8 virtual devices: {item: blocks run, or the traceback}.
 
-  The subprocess starts when the tests are collected (tests/background.py).
+  The subprocess starts when the tests are collected (tests/helpers/background.py).
   """
   assert doc_examples.device_items() == [
       p for p in PAGES_WITH_CODE if doc_examples.page_devices(p)] + [doc_examples.DOCSTRINGS]

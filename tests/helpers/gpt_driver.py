@@ -30,8 +30,8 @@ import numpy as np
 from benchmarks.common import fast_compile
 from subprocesses import start, wait
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(REPO, "tests")
+HELPERS = os.path.dirname(os.path.abspath(__file__))   # tests/helpers
+REPO = os.path.dirname(os.path.dirname(HELPERS))
 TRAIN = os.path.join(REPO, "examples", "gpt", "train.py")
 SAMPLE = os.path.join(REPO, "examples", "gpt", "sample.py")
 
@@ -203,7 +203,7 @@ def start_cli_driver(tmp: str, label: str, specs: list[list[str]], env: dict,
     json.dump(specs, f)
   code = ("import sys; sys.modules['matplotlib'] = None; sys.path[:0] = sys.argv[1:3]; "
           "import gpt_driver; gpt_driver.drive_cli(*sys.argv[3:6])")
-  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path, script], env,
+  proc = start([sys.executable, "-c", code, REPO, HELPERS, spec_path, out_path, script], env,
                os.path.join(tmp, f"cli_driver_{label}.log"))
   return proc, out_path
 
@@ -298,7 +298,7 @@ def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
     code += "tf = False; "
   code += ("sys.path[:0] = sys.argv[1:3]; import gpt_driver; "
            "gpt_driver.drive(*sys.argv[3:6], tf)")
-  proc = start([sys.executable, "-c", code, REPO, TESTS, spec_path, out_path,
+  proc = start([sys.executable, "-c", code, REPO, HELPERS, spec_path, out_path,
                 os.path.join(tmp, f"jax_cache_{label}")],
                env, os.path.join(tmp, f"driver_{label}.log"))
   return proc, out_path

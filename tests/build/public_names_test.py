@@ -18,7 +18,7 @@ import stacktools
 
 pytestmark = pytest.mark.jax_independent   # see pytest.ini
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_PUBLIC_NAMES = 20
 USER_CODE = ("examples", "benchmarks")
 #: Modules of helpers that user code may reach by name (``st.depth.repeat``,

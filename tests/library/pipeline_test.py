@@ -2,8 +2,8 @@
 
 The multi-device cases need 8 virtual CPU devices, which must be set before
 JAX starts, so they run once, together, in a subprocess
-(tests/pipeline_cases.py, started as soon as the tests are collected: see
-tests/background.py) that writes every difference to a JSON file; the tests
+(tests/helpers/pipeline_cases.py, started as soon as the tests are collected: see
+tests/helpers/background.py) that writes every difference to a JSON file; the tests
 here assert on it. The reference there is the same model's plain stack
 on one device, ``remat="none"``. What needs no devices (the schedule, the
 layouts, partition specs on an abstract mesh, the plain fallback, the
@@ -30,8 +30,8 @@ import background
 
 @pytest.fixture(scope="module")
 def cases():
-  """What tests/pipeline_cases.py wrote; it starts when the tests are
-  collected (tests/background.py)."""
+  """What tests/helpers/pipeline_cases.py wrote; it starts when the tests are
+  collected (tests/helpers/background.py)."""
   job = background.result("pipeline_cases").check()
   results = json.loads((job.folder / "cases.json").read_text())
   for name, value in results.items():

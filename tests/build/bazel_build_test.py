@@ -4,7 +4,8 @@ BUILD is Starlark, whose syntax is a subset of Python's, so the test evaluates
 it with Python stand-ins for `glob()` (Bazel's pattern rules, over this tree)
 and for the rules it calls, and then checks the targets it declares against the
 files on disk: each ``stacktools/**/*.py`` module is in ``//:stacktools``, each
-``tests/*_test.py`` has its own ``py_test`` run by the shared pytest runner,
+``tests/<folder>/*_test.py`` has its own ``py_test`` (named after the file,
+as ``//:stacked_test``) run by the shared pytest runner,
 the GPT example is built, no test imports another test module (what tests
 share is in helper modules, which ``//:test_support`` holds with what they
 import), and nothing named in BUILD is missing.
@@ -23,8 +24,10 @@ import pytest
 
 pytestmark = pytest.mark.jax_independent   # see pytest.ini
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = "//tools/bazel:pytest_runner.py"
+#: Every test file: tests/<folder>/<topic>_test.py (the folders: house_test.py).
+TEST_FILES = "tests/*/*_test.py"
 RULES = ("py_library", "py_binary", "py_test", "filegroup", "alias",
          "test_suite", "sh_test", "genrule")
 SIZES = ("small", "medium", "large", "enormous")
@@ -109,6 +112,12 @@ def _files(pattern):
   return [f for f in _tree_files() if regex.match(f)]
 
 
+def _target(test_file):
+  """The py_test of ``test_file``: tests/library/stacked_test.py is
+  //:stacked_test (test files' names are unique across the folders)."""
+  return os.path.basename(test_file)[:-len(".py")]
+
+
 def _srcs(rules, *kinds):
   return {src for r in rules.values() if r.kind in kinds
           for src in r.attrs.get("srcs", [])}
@@ -130,14 +139,17 @@ def test_every_module_is_in_the_library(rules):
 
 
 def test_every_test_file_has_its_own_py_test(rules):
-  test_files = _files("tests/*_test.py")
-  assert "tests/bazel_build_test.py" in test_files
+  test_files = _files(TEST_FILES)
+  assert "tests/build/bazel_build_test.py" in test_files
   for test_file in test_files:
     targets = [name for name, r in rules.items()
                if r.kind == "py_test" and test_file in r.attrs.get("srcs", [])]
     assert len(targets) == 1, (
         f"{test_file} is in the srcs of {len(targets)} py_tests {targets}; "
-        "BUILD should give each tests/*_test.py exactly one")
+        "BUILD should give each tests/<folder>/*_test.py exactly one")
+    assert targets == [_target(test_file)], (
+        f"{test_file}'s py_test is :{targets[0]}; it should be named after the "
+        f"file, :{_target(test_file)}")
     attrs = rules[targets[0]].attrs
     assert attrs.get("main") == RUNNER, (
         f":{targets[0]} should run {test_file} through {RUNNER}")
@@ -194,8 +206,8 @@ def test_every_docs_file_a_test_reads_is_its_data(rules):
   # its target does not declare fails there (house_test and
   # over_layers_test once did), while pytest on the checkout passes.
   support = set(rules["test_support"].attrs.get("data", []))
-  for test_file in _files("tests/*_test.py"):
-    target = rules[test_file[len("tests/"):-len(".py")]]
+  for test_file in _files(TEST_FILES):
+    target = rules[_target(test_file)]
     declared = set(target.attrs.get("data", [])) | support
     missing = sorted(_docs_read_by(test_file) - declared)
     assert not missing, (
@@ -207,30 +219,30 @@ _IMPORT_TEST_MODULE = re.compile(r"\bimport\s+(\w+_test)\b|\bfrom\s+(\w+_test)\s
 
 
 def _imported_test_files(test_file):
-  """The tests/*_test.py files that `test_file` imports, directly or not."""
+  """The tests/*/*_test.py files that `test_file` imports, directly or not."""
+  by_module = {os.path.basename(f)[:-len(".py")]: f for f in _files(TEST_FILES)}
   found, todo = set(), [test_file]
   while todo:
     with open(os.path.join(ROOT, todo.pop()), encoding="utf-8") as f:
       text = f.read()
     for match in _IMPORT_TEST_MODULE.finditer(text):
-      path = "tests/%s.py" % (match.group(1) or match.group(2))
-      if path != test_file and path not in found and os.path.exists(
-          os.path.join(ROOT, path)):
+      path = by_module.get(match.group(1) or match.group(2))
+      if path is not None and path != test_file and path not in found:
         found.add(path)
         todo.append(path)
   return found
 
 
 def test_no_test_module_imports_another(rules):
-  # What tests share lives in helper modules (tests/*.py not named *_test.py,
+  # What tests share lives in helper modules (tests/helpers/*.py,
   # in //:test_support), so that each test's Bazel target needs only its own
   # file and no test depends on another test's internals. The search is
   # textual: it also finds an import in a subprocess's code string.
-  for test_file in _files("tests/*_test.py"):
+  for test_file in _files(TEST_FILES):
     imported = sorted(_imported_test_files(test_file))
     assert not imported, (
         f"{test_file} imports the test modules {imported}: move what it uses to "
-        "a helper module under tests/ (e.g. tests/gpt_driver.py)")
+        "a helper module under tests/ (e.g. tests/helpers/gpt_driver.py)")
 
 
 _PACKAGE_TARGETS = {"stacktools": "stacktools", "examples": "gpt", "benchmarks": "benchmarks"}
@@ -262,7 +274,7 @@ def test_test_helpers_depend_on_what_they_import(rules):
 
 def test_per_test_settings_name_existing_tests(build):
   _, env = build
-  test_files = set(_files("tests/*_test.py"))
+  test_files = set(_files(TEST_FILES))
   for table in ("_TEST_SIZE", "_TEST_DATA", "_CI_TESTS"):
     stale = sorted(set(env.get(table, {})) - test_files)
     assert not stale, f"BUILD's {table} names tests that do not exist: {stale}"
@@ -276,7 +288,7 @@ def test_ci_runs_a_few_tests_under_bazel(rules):
   tagged = sorted(name for name, r in rules.items()
                   if r.kind == "py_test" and "ci" in r.attrs.get("tags", []))
   assert "bazel_build_test" in tagged, tagged
-  assert len(tagged) < len(_files("tests/*_test.py")) // 2, tagged
+  assert len(tagged) < len(_files(TEST_FILES)) // 2, tagged
   if os.environ.get("TEST_SRCDIR"):
     return  # .ci/run is not in a test's runfiles
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
@@ -288,6 +300,9 @@ def test_ci_runs_a_few_tests_under_bazel(rules):
 def test_glob_regex_follows_bazel_rules():
   assert _glob_regex("tests/*_test.py").match("tests/scan_test.py")
   assert not _glob_regex("tests/*_test.py").match("tests/sub/scan_test.py")
+  assert _glob_regex(TEST_FILES).match("tests/library/scan_test.py")
+  assert not _glob_regex(TEST_FILES).match("tests/scan_test.py")
+  assert not _glob_regex(TEST_FILES).match("tests/library/sub/scan_test.py")
   assert _glob_regex("stacktools/**/*.py").match("stacktools/loops.py")
   assert _glob_regex("stacktools/**/*.py").match("stacktools/a/b/c.py")
   assert _glob_regex("tests/**").match("tests/data/x.txt")
@@ -304,9 +319,10 @@ def _load_runner():
 
 def test_runner_passes_bazel_settings_to_pytest():
   runner = _load_runner()
-  assert runner.pytest_args("tests/a_test.py", [], {})[0] == "tests/a_test.py"
+  assert runner.pytest_args("tests/library/a_test.py", [], {})[0] == \
+      "tests/library/a_test.py"
   args = runner.pytest_args(
-      "tests/a_test.py", ["-x"],
+      "tests/library/a_test.py", ["-x"],
       {"XML_OUTPUT_FILE": "/o/test.xml", "TEST_TMPDIR": "/t",
        "TESTBRIDGE_TEST_ONLY": "nested"})
   assert "--junitxml=/o/test.xml" in args

@@ -3,7 +3,7 @@
 Training runs go through ``train.train(config, workdir)`` in-process, batched
 into two driver subprocesses (``gpt_driver.drive``), which start
 with this module's other subprocesses in the background when the tests are
-collected (``tests/background.py``, ``BACKGROUND``: this module runs last,
+collected (``tests/helpers/background.py``, ``BACKGROUND``: this module runs last,
 its subprocesses at the lowest priority, on the CPU the other tests leave
 idle). One interpreter then pays the JAX import for many
 runs, the two drivers use both cores, and the drivers compile with XLA's

@@ -485,7 +485,7 @@ step, args = make_step()
 plan = st.plan_remat(step, *args, budget="64MiB", measure=False, cache_dir={str(tmp_path)!r})
 print("REUSED", plan.reused, dict(plan.labels))
 """
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
                        text=True, check=True, env={**os.environ, "PYTHONPATH": repo},
                        timeout=300).stdout

@@ -32,7 +32,7 @@ import sys
 import textwrap
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FENCE = re.compile(
     r"^(?P<indent>[ \t]*)(?P<ticks>```+)(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)(?P=ticks)[ \t]*$",
     re.M | re.S)
@@ -233,7 +233,7 @@ def _run_item(item):
 
 
 if __name__ == "__main__":
-  # What run_on_devices starts: python tests/doc_examples.py ITEM...; prints
+  # What run_on_devices starts: python tests/helpers/doc_examples.py ITEM...; prints
   # {item: count or traceback} as JSON on its last line.
   sys.path.insert(0, ROOT)
   results = {}

@@ -23,7 +23,7 @@ are collected:
 * two command lines, one whose flags contradict each other and one with a
   schedule that does not exist, run in one interpreter (``drive_cli``).
 
-(``tests/background.py``, ``BACKGROUND``: this module runs last, the runs
+(``tests/helpers/background.py``, ``BACKGROUND``: this module runs last, the runs
 at the lowest priority, on the CPU the other tests leave idle.)
 
 What is checked, against numbers:

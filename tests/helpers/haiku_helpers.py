@@ -12,7 +12,7 @@ pattern of sliding-window (``L``) and full (``G``) attention, and an
 optional per-layer input. Its module names are the GPT example's
 (``h/block/attn/qkv``, ``h/block/fc_out``, ``tok_embed``, ...), so what a
 library test says of its parameter tree reads as it would of the example's;
-the example's own model is for the example's tests (``tests/gpt_*``).
+the example's own model is for the example's tests (``tests/example/``).
 """
 
 import dataclasses

@@ -18,7 +18,11 @@ Checked against the source of ``stacktools/`` itself (not a picture of it):
 * no module uses another module's private (``_name``) attributes;
 * the rooms stand on at most :data:`MAX_FLOORS` floors;
 * the picture of the house on docs/development/internals.md is the one the
-  imports draw today (``python tests/house_test.py`` prints it).
+  imports draw today (``python tests/build/house_test.py`` prints it).
+
+And against the files of ``tests/``: each test file sits in the folder of
+what it tests (:data:`TEST_FOLDERS`), under a name of its own, the helpers
+in ``tests/helpers/``, and nothing at the top but ``conftest.py``.
 
 And against the source of ``examples/``: the training binary is ``main`` plus
 ``train(config, workdir)``; only the flags modules (:data:`FLAG_MODULES`)
@@ -33,7 +37,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "stacktools")
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -262,6 +266,80 @@ def test_the_example_rules_can_fail(tmp_path, monkeypatch):
   with pytest.raises(AssertionError):
     test_the_training_binary_stays_a_client_of_the_library()
 
+TESTS = os.path.join(ROOT, "tests")
+#: The folders of tests/, each holding the test files of what it names
+#: (``<topic>_test.py``; the GPT example's ``gpt_<topic>_test.py``).
+TEST_FOLDERS = {
+    "library": "the library's tests (stacktools/)",
+    "example": "the GPT example's tests (examples/)",
+    "docs": "the docs' tests: their examples run, the site built",
+    "build": "the repository's rules: BUILD, the house, the public names, the benchmarks",
+}
+#: What the tests share (imported by bare name: tests/conftest.py puts this
+#: folder on sys.path), and nothing else.
+TEST_HELPERS = "helpers"
+#: The only file at the top of tests/.
+TEST_TOP = ("conftest.py",)
+
+
+def _test_layout_problems():
+  """What in tests/ breaks the layout: a file at the top but conftest.py, a
+  folder not in :data:`TEST_FOLDERS` (or :data:`TEST_HELPERS`), a module in a
+  test folder not named ``*_test.py`` or one in the helpers named so, a GPT
+  test outside ``example/``, and two test files of one name (pytest imports
+  each by its bare name, and Bazel names its target after it)."""
+  problems, seen = [], {}
+  for name in sorted(os.listdir(TESTS)):
+    path = os.path.join(TESTS, name)
+    if name in ("__pycache__",) or name.startswith("."):
+      continue
+    if not os.path.isdir(path):
+      if name not in TEST_TOP:
+        problems.append(f"tests/{name}: move it into one of tests/{'/, tests/'.join(TEST_FOLDERS)}/"
+                        f" (or tests/{TEST_HELPERS}/ if it is no test)")
+      continue
+    if name != TEST_HELPERS and name not in TEST_FOLDERS:
+      problems.append(f"tests/{name}/: not a folder of the layout ({', '.join(TEST_FOLDERS)}, "
+                      f"{TEST_HELPERS}); add it to house_test.TEST_FOLDERS with what it holds")
+      continue
+    for file in sorted(os.listdir(path)):
+      if not file.endswith(".py"):
+        continue
+      where = f"tests/{name}/{file}"
+      if name == TEST_HELPERS and file.endswith("_test.py"):
+        problems.append(f"{where}: a test file among the helpers; file it by what it tests")
+      elif name != TEST_HELPERS and not file.endswith("_test.py"):
+        problems.append(f"{where}: not a test file; helpers live in tests/{TEST_HELPERS}/")
+      elif name != TEST_HELPERS and file.startswith("gpt_") and name != "example":
+        problems.append(f"{where}: the GPT example's tests live in tests/example/")
+      elif file.endswith("_test.py") and file in seen:
+        problems.append(f"{where}: named as {seen[file]}; a test file's name is unique")
+      seen.setdefault(file, where)
+  return problems
+
+
+def test_tests_are_filed_by_what_they_test():
+  problems = _test_layout_problems()
+  assert not problems, "tests/ out of its layout:\n" + "\n".join(problems)
+
+
+def test_the_test_layout_rule_can_fail(tmp_path, monkeypatch):
+  # A test at the top, an unknown folder, a helper among the tests, a test
+  # among the helpers, a GPT test in library/ and a name used twice are refused.
+  for path in ("conftest.py", "stray_test.py", "misc/a_test.py", "library/tools.py",
+               "helpers/b_test.py", "library/gpt_x_test.py", "library/c_test.py",
+               "docs/c_test.py", "example/gpt_y_test.py", "helpers/driver.py"):
+    (tmp_path / path).parent.mkdir(exist_ok=True)
+    (tmp_path / path).write_text("")
+  monkeypatch.setattr(__import__(__name__), "TESTS", str(tmp_path))
+  problems = _test_layout_problems()
+  assert [p.split(":")[0] for p in problems] == [
+      "tests/helpers/b_test.py", "tests/library/c_test.py", "tests/library/gpt_x_test.py",
+      "tests/library/tools.py", "tests/misc/", "tests/stray_test.py"], problems
+  with pytest.raises(AssertionError, match="tests/stray_test.py: move it into one of"):
+    test_tests_are_filed_by_what_they_test()
+
+
 @pytest.mark.parametrize("module", _modules())
 def test_a_long_function_says_what_it_does(module):
   _, tree = _tree(module)
@@ -432,7 +510,7 @@ def test_the_internals_page_shows_the_house_as_it_is():
     page = f.read()
   assert picture() in page, (
       "docs/development/internals.md's picture of the house is not the one the "
-      "imports draw: paste the output of `python tests/house_test.py` in its place.\n"
+      "imports draw: paste the output of `python tests/build/house_test.py` in its place.\n"
       + picture())
 
 

@@ -9,7 +9,7 @@ tests: their numbers are timings and memory of one machine, committed in
 scratch folder, and leaves every tracked result as it was.
 
 The quick runs happen one after the other in one process of their own,
-started as soon as the tests are collected (tests/background.py), whose JAX
+started as soon as the tests are collected (tests/helpers/background.py), whose JAX
 has one device as this one's has: ``pipeline.py``'s main() starts the script
 again with 8, ``decode.py``'s a child under another XLA scheduler, as they
 did here. ``init_time.py`` also runs as a user runs it, ``python -m
@@ -35,7 +35,7 @@ import pytest
 
 import background
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
   sys.path.insert(0, str(REPO_ROOT))
 
@@ -74,7 +74,7 @@ def _positive_number(value):
 def _quick(module):
   """The folder that ``module.main(["--quick", "--results_dir", folder])``
   wrote into, once main() returned the payload of ``module``'s benchmark
-  (their runs start when the tests are collected: tests/background.py)."""
+  (their runs start when the tests are collected: tests/helpers/background.py)."""
   name = module.__name__.rsplit(".", 1)[-1]
   done = background.benchmark_outcome(background.result("benchmarks_quick"), name)
   if "error" in done:

@@ -4,19 +4,19 @@ The suite runs in one process, which compiles on one core at a time. Some
 tests check what a subprocess of theirs computes, which depends on nothing
 the other tests do:
 
-* ``pipeline_cases``: tests/pipeline_cases.py on 8 virtual devices
-  (tests/pipeline_test.py);
+* ``pipeline_cases``: tests/helpers/pipeline_cases.py on 8 virtual devices
+  (tests/library/pipeline_test.py);
 * ``docs_on_devices``: the doc examples that build meshes, and the
-  docstring examples (tests/docs_test.py);
+  docstring examples (tests/docs/docs_test.py);
 * ``benchmarks_quick``: each benchmark's ``main(["--quick", ...])``, in turn,
-  in one process (tests/benchmarks_test.py).
+  in one process (tests/build/benchmarks_test.py).
 
 A test module may hand its own subprocesses to the background too:
 ``BACKGROUND = {fixture: task}`` names a module-scoped fixture whose value
 ``task(folder)`` builds (it starts the module's processes and returns an
 object with ``finish()``, which waits for all of them, and ``close()``,
 which kills what still runs); the fixture returns :func:`task_result`'s
-(tests/gpt_pipeline_test.py, tests/distributed_test.py, tests/gpt_test.py).
+(tests/example/gpt_pipeline_test.py, tests/example/distributed_test.py, tests/example/gpt_test.py).
 
 ``tests/conftest.py`` starts the jobs that the selected tests need once the
 tests are collected: :data:`WORKERS` threads of this process take them in
@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import doc_examples
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 1200   # seconds, per job
 NICENESS = 19    # of the jobs' threads and processes
 
@@ -88,7 +88,7 @@ def _python_env(**extra: str) -> dict[str, str]:
 
 def _pipeline_cases(folder: Path, items=()) -> tuple[list[str], dict[str, str]]:
   del items
-  return ([sys.executable, str(ROOT / "tests" / "pipeline_cases.py"),
+  return ([sys.executable, str(ROOT / "tests" / "helpers" / "pipeline_cases.py"),
            str(folder / "cases.json")], _python_env())
 
 
@@ -97,7 +97,7 @@ def _docs_on_devices(folder: Path, items=()) -> tuple[list[str], dict[str, str]]
   return doc_examples.on_devices_command(doc_examples.device_items())
 
 
-#: The benchmarks whose quick runs tests/benchmarks_test.py checks
+#: The benchmarks whose quick runs tests/build/benchmarks_test.py checks
 #: (``test_<name>_quick``), and the flags each is given besides ``--quick
 #: --results_dir``.
 BENCHMARKS = {"memory": (), "mixed_layers": ("--no_plot",), "compile_time": (),
@@ -211,7 +211,7 @@ def _queue(names) -> list[str]:
 
 
 def order(items) -> None:
-  """Sorts ``items`` in place: tests/haiku_layer_stack_test.py first (see
+  """Sorts ``items`` in place: tests/library/haiku_layer_stack_test.py first (see
   tests/conftest.py), the tests that wait for a job last, in the order the
   jobs start, the rest in between; else in their order."""
   queue = _queue(dict.fromkeys(filter(None, map(needs, items))))

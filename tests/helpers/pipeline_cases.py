@@ -1,7 +1,7 @@
 """Pipelined stacks on 8 virtual CPU devices, against the plain stack on one.
 
-Run by tests/pipeline_test.py in a subprocess (the device count must be set
-before JAX starts): ``python tests/pipeline_cases.py OUT.json``. Each case
+Run by tests/library/pipeline_test.py in a subprocess (the device count must be set
+before JAX starts): ``python tests/helpers/pipeline_cases.py OUT.json``. Each case
 computes the pipelined result and its independent reference and writes the
 differences; the test asserts on them.
 

@@ -288,8 +288,8 @@ def test_the_docs_say_that_only_a_patterns_counts_are_checked():
   # A pattern's order is not in the parameters; over_layers once did not say so.
   said = "not the order of the kinds, so only the counts are checked"
   assert said in " ".join(st.over_layers.__doc__.split())
-  guide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "docs", "guides", "training-rules.md")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  guide = os.path.join(root, "docs", "guides", "training-rules.md")
   with open(guide, encoding="utf-8") as f:
     assert said in " ".join(f.read().split())
 

@@ -3,7 +3,7 @@
 JAX fixes its device count when it starts, so every run here is a
 subprocess with ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``
 (virtual CPU devices), and all of them start together in the background
-when the tests are collected (``tests/background.py``, ``BACKGROUND``: this
+when the tests are collected (``tests/helpers/background.py``, ``BACKGROUND``: this
 module runs last, its subprocesses at the lowest priority, on the CPU the
 other tests leave idle):
 
