@@ -9,10 +9,12 @@ lowest first (each may import only those above it in this list):
 * ``stacktools.layouts``: parameter layouts, depth edits, sharding, optimizers;
 * ``stacktools.pipelines``: schedules, stages and the tick loops;
 * ``stacktools.planner``: ``plan_remat`` and ``remat_report``;
-* ``stacktools.stacks``: ``Stacked``, ``BlockSeq``, ``layer_stack``.
+* ``stacktools.stacks``: ``Stacked``, ``BlockSeq``, ``layer_stack``;
+* ``stacktools.adapters``: low-rank adapters over a base (``st.adapters``).
 
-``stacktools.depth`` (the growth helpers), ``stacktools.loops`` and
-``stacktools.policy`` are public modules too.
+``stacktools.depth`` (the growth helpers), ``stacktools.adapters`` (low-rank
+adapters), ``stacktools.loops`` and ``stacktools.policy`` are public modules
+too.
 """
 
 from stacktools.layouts import over_layers
@@ -48,6 +50,7 @@ from stacktools.step import PerLayer
 from stacktools.remat import REMAT_ALIASES
 
 # The public modules, as attributes of the package (st.depth.repeat).
+from stacktools import adapters
 from stacktools import depth
 from stacktools import loops
 from stacktools import policy

@@ -25,7 +25,7 @@ USER_CODE = ("examples", "benchmarks")
 #: ``from stacktools import depth``): each lists its helpers in ``__all__``.
 #: They stay out of ``stacktools.__all__``, which holds what a user writes
 #: most, as ``optax.contrib`` does beside ``optax``.
-PUBLIC_MODULES = ("depth",)
+PUBLIC_MODULES = ("adapters", "depth")
 
 
 def _sources(folder):
