@@ -3,7 +3,8 @@
 Holds ``CheckpointPolicy`` and the ``remat=`` aliases (``_policy``), the only
 caller of ``jax.checkpoint`` (``_checkpoint``), the arithmetic of a nested
 split (``_nested_split``) and the nested loop's hand-written backward pass
-(``_nested_scan``), what a ``remat=`` value becomes for one loop: its
+(``_nested_scan``), a scan that unrolls without stacking its steps' values
+(``_unrolled_scan``), what a ``remat=`` value becomes for one loop: its
 segments in layer order (``_segments``, with ``per_depth``), and the engine
 that runs them, with ``fold``, ``scan`` and ``map`` on it (``_loops``).
 

@@ -29,6 +29,8 @@ from stacktools.core import _checks
 from stacktools.remat import _nested_scan
 from stacktools.remat import _policy
 from stacktools.remat import _segments
+from stacktools.remat import _unrolled_scan
+from stacktools.remat._unrolled_scan import rows as _rows
 from stacktools.step import _pattern
 
 Carry = TypeVar("Carry")
@@ -220,13 +222,6 @@ def run(steps: Mapping[str, Step], x: PyTree, xs: Mapping[str, PyTree],
   return x, runner.results()
 
 
-def _rows(tree: PyTree, start: int, stop: int) -> PyTree:
-  """Every leaf's rows ``[start, stop)`` (no slice when that is all of it)."""
-  def cut(a):
-    return a if (start, stop) == (0, a.shape[0]) else a[start:stop]
-  return jax.tree_util.tree_map(cut, tree)
-
-
 def _flat_rows(tree: PyTree) -> PyTree:
   """``[outer, inner, ...]`` -> ``[outer * inner, ...]`` on every leaf."""
   return jax.tree_util.tree_map(
@@ -251,15 +246,24 @@ class _Runner:
   def _order(self, items):
     return list(reversed(items)) if self.reverse else list(items)
 
-  def _run(self, x, kind, run_xs, length, segment, looped):
+  def _run(self, x, kind, run_xs, length, segment, looped, row=None):
     """One run: a scan over ``length`` consecutive layers of one kind.
 
     ``run_xs`` leads with ``length``; for a run of one layer it is that
-    layer's own slice, applied directly (no loop: it compiles faster).
+    layer's own slice, applied directly (no loop: it compiles faster), or,
+    given ``row``, a slab of an unrolled loop whose row ``row`` it is.
     """
     looped = looped or length > 1
     policy = segment.steps[kind] if looped else segment.steps[kind].outside_loop()
-    step = policy.checkpoint_step(self.steps[kind], looped=looped)
+    kind_step = self.steps[kind]
+    if row is not None and length == 1 and policy.save_inputs != "offload":
+      # The row is cut inside the checkpoint, so that the backward pass cuts
+      # it again from the loop's inputs instead of keeping a copy of it.
+      kind_step = lambda x, slab: self.steps[kind](  # noqa: E731
+          x, jax.tree_util.tree_map(lambda a: a[row], slab))
+    elif row is not None:
+      run_xs = jax.tree_util.tree_map(lambda a: a[row], run_xs)
+    step = policy.checkpoint_step(kind_step, looped=looped)
     if length > 1:
       return lax.scan(step, x, run_xs, length=length, reverse=self.reverse,
                       unroll=self.unroll is True or 1)
@@ -303,16 +307,16 @@ class _Runner:
     period_xs = [jax.tree_util.tree_map(functools.partial(run_rows, run), self.xs[run.kind])
                  for run in runs]
 
-    def one_period(x, xs):
+    def one_period(x, xs, row=None):
       outs = [None] * len(runs)
       for j in self._order(range(len(runs))):
         x, outs[j] = self._run(x, runs[j].kind, xs[j], runs[j].length,
-                               segment, looped=True)
+                               segment, looped=True, row=row)
       return x, outs
 
     if segment.split is None:
-      x, outs = lax.scan(one_period, x, period_xs, length=count,
-                         reverse=self.reverse, unroll=self.unroll)
+      x, outs = _unrolled_scan.scan(one_period, x, period_xs, count,
+                                    unroll=self.unroll, reverse=self.reverse)
     else:
       x, outs = self._nested(x, one_period, period_xs, segment)
     for kind, c in per.items():

@@ -178,6 +178,9 @@ class Stacked(_stack_module.StackModule):
       With a pattern, ``nested`` splits the loop over whole periods.
     unroll: layers per rolled loop iteration, or ``True`` to unroll fully
       (with a pattern: periods per rolled iteration of the period loop).
+      Each unrolled layer keeps its values in buffers of its own, as with
+      ``unroll=1``; on a TPU v5e ``2`` and ``4`` were still 1.05x and 1.07x
+      the step of ``1`` (``docs/benchmarks/scan_gap.md``).
     reverse: apply the layers from the last to the first.
     pattern: the kinds of one period, e.g. ``("local",) * 5 + ("global",)``;
       a string is read one kind per letter (``"LLLG"``).

@@ -201,29 +201,52 @@ def test_nested_offload_matches_loop():
   _check_against_loop(policy, 13, 1, True)
 
 
-def _scan_unrolls(jaxpr):
-  """The ``unroll`` of every lax.scan in a jaxpr, nested ones included."""
+def _scan_loops(jaxpr):
+  """``(length, unroll)`` of every lax.scan in a jaxpr, nested ones included."""
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
-      found.append(eqn.params["unroll"])
+      found.append((eqn.params["length"], eqn.params["unroll"]))
     for param in eqn.params.values():
       for sub in (param if isinstance(param, (tuple, list)) else [param]):
         if isinstance(sub, jex_core.ClosedJaxpr):
-          found += _scan_unrolls(sub.jaxpr)
+          found += _scan_loops(sub.jaxpr)
         elif isinstance(sub, jex_core.Jaxpr):
-          found += _scan_unrolls(sub)
+          found += _scan_loops(sub)
   return found
 
 
 @pytest.mark.parametrize("remat, want", [
-    (False, [3]), ("full", [3]), ("save_all", [3]),
-    ("nested", [1, 3]),   # 7 = 2 x 3 + 1: the outer loop is rolled.
+    # 7 = 2 rolled iterations of 3 steps, then the last step: the engine
+    # unrolls by hand (each step's kept values in buffers of their own),
+    # not with lax.scan's unroll.
+    (False, [(2, 1), (1, 1)]), ("full", [(2, 1), (1, 1)]),
+    ("save_all", [(2, 1), (1, 1)]),
+    # 7 = 2 x 3 + 1: the outer loop is rolled, the chunks' steps unrolled.
+    ("nested", [(3, 1), (2, 3), (1, 3)]),
 ])
-def test_unroll_reaches_the_step_loop(remat, want):
+def test_unroll_shapes_the_step_loop(remat, want):
   fold = st.fold(_fold_body, remat=remat, unroll=3)
   jaxpr = jax.make_jaxpr(fold)(_init(), _xs(7)).jaxpr
-  assert sorted(set(_scan_unrolls(jaxpr))) == want
+  assert _scan_loops(jaxpr) == want
+
+
+def test_unrolled_steps_keep_values_in_buffers_of_their_own():
+  """With unroll=3 over 6 steps the forward loop runs 2 iterations and keeps
+  each of the 3 steps' values in a buffer of 2 rows, as unroll=1 keeps one
+  buffer of 6 rows: no [2, 3, ...] slab (lax.scan's unroll stacks the steps'
+  values into one when it lowers the loop)."""
+  def kept_shapes(unroll):
+    fold = st.fold(_fold_body, remat=False, unroll=unroll)
+    loss = lambda init, xs: jnp.sum(fold(init, xs)["h"] ** 2)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(_init(), _xs(6)).jaxpr
+    forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    num_carry = forward.params["num_carry"]
+    return sorted(v.aval.shape for v in forward.outvars[num_carry:])
+  one, three = kept_shapes(1), kept_shapes(3)
+  assert one and all(shape[0] == 6 for shape in one)
+  assert len(three) == 3 * len(one)
+  assert sorted(three) == sorted([(2,) + shape[1:] for shape in one] * 3)
 
 
 def test_scan_ys_keep_xs_order_when_reversed():
