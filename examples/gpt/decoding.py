@@ -33,7 +33,7 @@ from examples.gpt.attention import Cache
 from examples.gpt.attention import cache_head_group
 from examples.gpt.model import block_stack
 from examples.gpt.model import embed_and_head
-from examples.gpt.model import in_precision
+from examples.gpt.model import precision_and_adapters
 from examples.gpt.model_config import GPTConfig
 from examples.gpt.model_config import KINDS
 
@@ -73,9 +73,9 @@ def init_cache(cfg: GPTConfig, batch_size: int, dtype=None,
           for c in dict.fromkeys(cfg.pattern) if cfg.kind_count(c)}
 
 
-@in_precision
-def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
-           pos: jax.Array, *, in_place: bool = True) -> tuple[jax.Array, Cache]:
+def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache, pos: jax.Array, *,
+           in_place: bool = True, adapter_index: Optional[jax.Array] = None
+           ) -> tuple[jax.Array, Cache]:
   """Logits for ``tokens`` placed at ``pos``, attending to the cache.
 
   Call inside ``hk.transform`` (same parameters as ``model.forward``). The
@@ -92,10 +92,17 @@ def decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache,
     cache: from :func:`init_cache` or the previous call.
     pos: where ``tokens`` start.
     in_place: the in-place form (above) or the sliced one.
+    adapter_index: with ``cfg.lora_count``, each row's adapter (int ``[B]``).
 
   Returns:
     ``(logits [B, T, vocab], new_cache)``.
   """
+  with precision_and_adapters(cfg, adapter_index):
+    return _decode(cfg, tokens, cache, pos, in_place)
+
+
+def _decode(cfg: GPTConfig, tokens: jax.Array, cache: Cache, pos: jax.Array,
+            in_place: bool) -> tuple[jax.Array, Cache]:
   embed, head = embed_and_head(cfg)
   x = embed(tokens, pos)
   if cfg.pattern:
@@ -125,7 +132,8 @@ def next_token(logits: jax.Array, key: jax.Array, *, temperature: float,
 
 def generate(cfg: GPTConfig, params, dataset: data_lib.CharDataset,
              prompt: str, num_tokens: int, *, temperature: float = 1.0,
-             top_k: int = 0, num_samples: int = 1, seed: int = 0) -> list[str]:
+             top_k: int = 0, num_samples: int = 1, seed: int = 0,
+             adapter_index: Optional[np.ndarray] = None) -> list[str]:
   """``num_samples`` continuations of ``prompt``, ``num_tokens`` characters each.
 
   The samples are decoded together, as one batch. When the cache is full
@@ -142,6 +150,8 @@ def generate(cfg: GPTConfig, params, dataset: data_lib.CharDataset,
     top_k: sample among the ``top_k`` likeliest characters (0: all).
     num_samples: how many continuations.
     seed: sampling seed.
+    adapter_index: with ``cfg.lora_count``, each sample's adapter (``[num_samples]``):
+      the rows decode together, in one loop, each on its own adapter.
 
   Returns:
     Each sample: the prompt and its continuation.
@@ -154,13 +164,14 @@ def generate(cfg: GPTConfig, params, dataset: data_lib.CharDataset,
     raise ValueError(f"top_k={top_k}: use 0 (off) up to the vocabulary's "
                      f"{cfg.vocab_size} characters.")
   model = hk.without_apply_rng(hk.transform(
-      lambda t, c, p: decode(cfg, t, c, p)))
+      lambda t, c, p, index: decode(cfg, t, c, p, adapter_index=index)))
+  index = None if adapter_index is None else jnp.asarray(adapter_index, jnp.int32)
 
   # One compiled call per character: the decode step and the choice of the
   # next token; the cache is donated, so the step writes into it in place.
   @functools.partial(jax.jit, donate_argnums=1)
   def step(params, cache, tokens, pos, key):
-    logits, cache = model.apply(params, tokens, cache, pos)
+    logits, cache = model.apply(params, tokens, cache, pos, index)
     key, sub = jax.random.split(key)
     return next_token(logits[:, -1], sub, temperature=temperature, top_k=top_k), cache, key
 

@@ -27,6 +27,7 @@ from absl import flags
 import stacktools as st
 from examples.gpt import distributed
 from examples.gpt import init_from
+from examples.gpt import lora
 from examples.gpt import model_config
 from examples.gpt import optimizer as optimizer_lib
 from examples.gpt import remat as remat_lib
@@ -167,6 +168,18 @@ flags.DEFINE_enum(
     "new run from its first step, with a new optimizer state), or mapped (the checkpoint's "
     "optimizer state, its blocks' rows mapped as the parameters are, and its step, "
     "schedule and data order: the run goes on from that step, e.g. deeper).", **_OWNER)
+flags.DEFINE_integer(
+    "lora_rank", 0, "With --init_from: fine-tune low-rank adapters of this rank "
+    "(st.adapters.lora) on its model, which stays as it is; checkpoints hold the "
+    "adapters and their optimizer state alone. 0: no adapters, every parameter "
+    "trains.", lower_bound=0, **_OWNER)
+flags.DEFINE_float(
+    "lora_alpha", None, "With --lora_rank: the adapters' scale is alpha / rank. "
+    "Default: the rank (a scale of 1).", **_OWNER)
+flags.DEFINE_string(
+    "lora_targets", "attn,mlp", "With --lora_rank: the block's linear layers that get "
+    "adapters: attn (the attention's qkv and proj), mlp (fc and fc_out), or both; "
+    "other names are module-path patterns (e.g. attn/qkv).", **_OWNER)
 flags.DEFINE_integer("eval_every", 100, "Steps between validation runs.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer("eval_batches", 8, "Batches per validation run.", lower_bound=1, **_OWNER)
 flags.DEFINE_integer("seed", 0, "Seed of the init and of the data sampler.", **_OWNER)
@@ -265,6 +278,8 @@ flags.register_validator(
 _validate(["freeze_layers", "layer_lr_decay", "num_layers", "stack"],
           optimizer_lib.check_layer_rules)
 _validate(["init_from", "depth_map", "init_opt_state", "resume"], init_from.check_init_flags)
+_validate(["lora_rank", "lora_alpha", "lora_targets", "init_from", "resume", "depth_map",
+           "init_opt_state"], lora.check_lora_flags)
 flags.register_multi_flags_validator(
     ["stop_after", "steps"], lambda f: f["stop_after"] is None or f["stop_after"] <= f["steps"],
     message="--stop_after must be at most --steps.")

@@ -146,11 +146,26 @@ def precision(cfg: GPTConfig) -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def precision_and_adapters(cfg: GPTConfig,
+                           adapter_index: Optional[jax.Array] = None) -> Iterator[None]:
+  """:func:`precision`, and ``cfg``'s low-rank adapters (``st.adapters.lora``
+  on ``cfg.lora_patterns()``; each batch row on adapter ``adapter_index[row]``
+  with ``cfg.lora_count``) when ``cfg.lora_rank`` is set."""
+  with precision(cfg):
+    if not cfg.lora_rank:
+      yield
+      return
+    with st.adapters.lora(cfg.lora_patterns(), rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                          count=cfg.lora_count, index=adapter_index):
+      yield
+
+
 def in_precision(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn(cfg, ...)`` traced under :func:`precision`."""
+  """``fn(cfg, ...)`` traced under :func:`precision_and_adapters`."""
   @functools.wraps(fn)
   def wrapped(cfg: GPTConfig, *args: Any, **kwargs: Any) -> Any:
-    with precision(cfg):
+    with precision_and_adapters(cfg):
       return fn(cfg, *args, **kwargs)
   return wrapped
 

@@ -68,6 +68,9 @@ DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("auto", "xla", "splash")
 #: The splash kernel's blocks tile the sequence in multiples of this.
 SPLASH_TILE = 128
+#: ``--lora_targets``' names for the block's linear layers, as the module-path
+#: patterns ``st.adapters.lora`` takes; any other target is taken as a pattern.
+LORA_TARGETS = {"attn": ("attn",), "mlp": ("fc", "fc_out")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,10 @@ class GPTConfig:
   layer_drop: float = 0.0
   dtype: str = "float32"
   attention: str = "auto"
+  lora_rank: int = 0
+  lora_alpha: Optional[float] = None
+  lora_targets: str = "attn,mlp"
+  lora_count: Optional[int] = None
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -164,6 +171,15 @@ class GPTConfig:
       raise ValueError(f"pipeline= needs stack='scan' (got stack={self.stack!r}): "
                        "a pipeline splits the layers of one st.Stacked; st.BlockSeq "
                        "has none.")
+
+  def lora_patterns(self) -> tuple[str, ...]:
+    """``lora_targets`` as the module-path patterns ``st.adapters.lora`` takes."""
+    names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+    return tuple(p for t in names for p in LORA_TARGETS.get(t, (t,)))
+
+  def without_adapters(self) -> "GPTConfig":
+    """The base model: this config with no adapters (for merged parameters)."""
+    return dataclasses.replace(self, lora_rank=0, lora_alpha=None, lora_count=None)
 
   def drop_rates(self) -> list[float]:
     """Each layer's drop rate while training: linear in depth up to ``layer_drop``."""

@@ -38,6 +38,9 @@ MODEL_FLAGS = ("num_layers", "num_heads", "d_model", "seq_len", "pattern", "wind
 #: The config fields that say how the layers run, not what they are: not
 #: recorded, so a checkpoint resumes under any of them.
 _HOW_LAYERS_RUN = ("remat", "pipeline", "layer_drop", "dtype", "attention")
+#: The adapters: a LoRA run records them under "lora" (see lora.py), beside
+#: the base model's config.
+_ADAPTERS = ("lora_rank", "lora_alpha", "lora_targets", "lora_count")
 
 
 class StartError(Exception):
@@ -62,7 +65,7 @@ def recorded_config(cfg: model_config.GPTConfig) -> dict[str, Any]:
   """The model's config as a checkpoint records it: the model's shape, not
   how its layers run."""
   return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-          if f.name not in _HOW_LAYERS_RUN}
+          if f.name not in _HOW_LAYERS_RUN + _ADAPTERS}
 
 
 def find(workdir: str, resume: bool, init_from: Optional[str] = None,

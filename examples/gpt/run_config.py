@@ -69,6 +69,9 @@ class TrainConfig:
   init_from: Optional[str] = None
   depth_map: Optional[str] = None
   init_opt_state: str = "fresh"
+  lora_rank: int = 0
+  lora_alpha: Optional[float] = None
+  lora_targets: str = "attn,mlp"
   resume: bool = False
   # Evaluation, outputs and logs.
   eval_every: int = 100
@@ -104,3 +107,4 @@ class SampleConfig:
   num_samples: int = 1
   seed: int = 0
   dtype: Optional[str] = None   # None: the dtype the run trained in
+  adapters: Optional[tuple[str, ...]] = None   # LoRA runs on workdir's model, a row each

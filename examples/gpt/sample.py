@@ -2,6 +2,8 @@ r"""Generates text from a trained checkpoint with a KV cache through scan blocks
 
   python examples/gpt/sample.py --workdir=workdir/gpt --prompt="def " --num_tokens=300
   python examples/gpt/sample.py --num_samples=4 --top_k=5   # 4 continuations, one batch
+  # Each row on its own LoRA run's adapters (train.py --lora_rank), over one base:
+  python examples/gpt/sample.py --workdir=workdir/gpt --adapters=workdir/lora_a,workdir/lora_b
 
 The prompt is prefilled in one call; then each new character is decoded alone,
 its keys and values written into the whole cache, which enters the stack as
@@ -32,8 +34,10 @@ from examples.gpt import files  # pylint: disable=g-import-not-at-top
 from examples.gpt import model as model_lib  # pylint: disable=g-import-not-at-top
 from examples.gpt import model_config  # pylint: disable=g-import-not-at-top
 from examples.gpt import restoring  # pylint: disable=g-import-not-at-top
+from examples.gpt import sample_adapters  # pylint: disable=g-import-not-at-top
 from examples.gpt import sample_flags  # pylint: disable=g-import-not-at-top
 from examples.gpt import saving  # pylint: disable=g-import-not-at-top
+from examples.gpt.resume import StartError  # pylint: disable=g-import-not-at-top
 from examples.gpt.run_config import SampleConfig  # pylint: disable=g-import-not-at-top
 
 #: What separates the samples of --num_samples > 1 on the standard output.
@@ -69,6 +73,18 @@ def sample(config: SampleConfig) -> list[str]:
     sys.exit(f"error: {e} Train first with {train}.")
   except saving.CheckpointError as e:
     sys.exit(f"error: {e}")
+  # A LoRA run's checkpoints hold adapters: its base is the model, decoded
+  # with them (as with --adapters=<that run>).
+  runs, base_dir = config.adapters or (), workdir
+  if "lora" in meta:
+    if runs:
+      sys.exit(f"error: --workdir={workdir!r} holds adapters; with --adapters pass their "
+               f"base, --workdir={meta['lora']['base']!r}.")
+    runs, base_dir, step = (workdir,), meta["lora"]["base"], meta["lora"]["base_step"]
+    try:
+      _, meta = saving.latest(base_dir)   # the model's config, dtype and characters
+    except saving.CheckpointError as e:
+      sys.exit(f"error: the adapters' base {base_dir!r}: {e}")
   # The run's own dtype unless --dtype says otherwise (a checkpoint from
   # before the dtype was recorded: float32, the default it trained in then).
   dtype = config.dtype or meta.get("dtype", "float32")
@@ -86,13 +102,18 @@ def sample(config: SampleConfig) -> list[str]:
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   try:
     params, _ = restoring.restore(
-        workdir, step, jax.tree_util.tree_map(
+        base_dir, step, jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes))
+    index = None
+    if runs:   # each run's adapters on config.num_samples rows, one decode loop
+      cfg, params, index = sample_adapters.with_adapters(cfg, params, runs,
+                                                         config.num_samples, device)
     decoding.warn_if_cut(config.prompt, cfg.seq_len, "--prompt")
     return decoding.generate(cfg, params, dataset, config.prompt, config.num_tokens,
                              temperature=config.temperature, top_k=config.top_k,
-                             num_samples=config.num_samples, seed=config.seed)
-  except (saving.CheckpointError, ValueError) as e:
+                             num_samples=config.num_samples * max(len(runs), 1),
+                             seed=config.seed, adapter_index=index)
+  except (saving.CheckpointError, StartError, ValueError) as e:
     sys.exit(f"error: {e}")
 
 

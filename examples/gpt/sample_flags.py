@@ -59,6 +59,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "as one batch and printed one after another, separated "
                        "by a line of dashes.", lower_bound=1, **fv)
   flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
+  flags.DEFINE_list("adapters", None, "LoRA runs (train.py --lora_rank) on "
+                    "--workdir's model: each decodes --num_samples rows of one batch "
+                    "on its own adapters, in one decode loop over one copy of the "
+                    "model, printed run after run.", **fv)
   flags.DEFINE_enum("dtype", None, model_config.DTYPES, "Compute dtype of the "
                     "decode step and its KV cache: float32 (right on a CPU) or "
                     "bfloat16 (right on an accelerator, TPU or GPU; the "
@@ -68,5 +72,7 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def config() -> SampleConfig:
   """The parsed flags as one frozen config."""
-  return SampleConfig(**{field.name: flags.FLAGS[field.name].value
-                         for field in dataclasses.fields(SampleConfig)})
+  values = {field.name: flags.FLAGS[field.name].value
+            for field in dataclasses.fields(SampleConfig)}
+  values["adapters"] = tuple(values["adapters"]) if values["adapters"] else None
+  return SampleConfig(**values)

@@ -26,6 +26,7 @@ from examples.gpt import data as data_lib
 from examples.gpt import distributed
 from examples.gpt import files
 from examples.gpt import init_from
+from examples.gpt import lora
 from examples.gpt import metrics
 from examples.gpt import model_config
 from examples.gpt import optimizer as optimizer_lib
@@ -37,7 +38,7 @@ from examples.gpt.run_config import DEFAULT_WINDOW
 from examples.gpt.run_config import TrainConfig
 
 
-def _optimizer_config(config: TrainConfig) -> optimizer_lib.OptimizerConfig:
+def optimizer_config(config: TrainConfig) -> optimizer_lib.OptimizerConfig:
   """The optimizer's settings, as optimizer.py takes them (under the same names)."""
   return optimizer_lib.OptimizerConfig(**{
       field.name: getattr(config, field.name)
@@ -66,9 +67,12 @@ class Run:
   start_step: int
   last_step: int
   records: list[dict[str, Any]]  # metrics so far; train_loop appends to it
+  # The whole model's parameters from what trains (a LoRA run trains adapters:
+  # lora_start.py merges them into the base), for the export and the sample.
+  merged: Callable[[Any], Any] = lambda params: params
 
 
-def _check_outputs(config: TrainConfig, workdir: str) -> resume_lib.Start:
+def check_outputs(config: TrainConfig, workdir: str) -> resume_lib.Start:
   """Exits with one line unless the run can write its outputs and start.
 
   Every process writes its checkpoint shards into ``workdir`` (process 0
@@ -86,10 +90,12 @@ def _check_outputs(config: TrainConfig, workdir: str) -> resume_lib.Start:
       sys.exit(f"error: --export_npz={config.export_npz!r}: its folder {problem}; "
                "pass a path in a folder you can write to.")
   try:
-    return resume_lib.find(workdir, config.resume, config.init_from, config.depth_map,
-                           config.init_opt_state)
+    start = resume_lib.find(workdir, config.resume, config.init_from, config.depth_map,
+                            config.init_opt_state)
+    lora.check_start(start, config.lora_rank, config.lora_alpha, config.lora_targets)
   except resume_lib.StartError as e:
     sys.exit(f"error: {e}")
+  return start
 
 
 def cpu_dtype_warning(dtype: str, backend: str) -> Optional[str]:
@@ -103,7 +109,7 @@ def cpu_dtype_warning(dtype: str, backend: str) -> Optional[str]:
   return None
 
 
-def _join_processes(config: TrainConfig) -> tuple[dict[str, int], Optional[st.Pipeline]]:
+def join_processes(config: TrainConfig) -> tuple[dict[str, int], Optional[st.Pipeline]]:
   """Joins the run's processes; returns the mesh's axis sizes and the pipeline.
 
   Exits with one line when the process flags, --mesh, --batch_size and
@@ -124,7 +130,7 @@ def _join_processes(config: TrainConfig) -> tuple[dict[str, int], Optional[st.Pi
   return mesh_sizes, pipeline
 
 
-def _load_corpus(config: TrainConfig, start: resume_lib.Start) -> data_lib.CharDataset:
+def load_corpus(config: TrainConfig, start: resume_lib.Start) -> data_lib.CharDataset:
   """The corpus, checked against the batch and the checkpoints' characters."""
   try:
     dataset = data_lib.load_dataset(config.data_path)
@@ -135,9 +141,9 @@ def _load_corpus(config: TrainConfig, start: resume_lib.Start) -> data_lib.CharD
   return dataset
 
 
-def _build_model(config: TrainConfig, vocab_size: int, pipeline: Optional[st.Pipeline],
-                 mesh: jax.sharding.Mesh, init_key: jax.Array, tokens: np.ndarray
-                 ) -> tuple[model_config.GPTConfig, Any]:
+def build_model(config: TrainConfig, vocab_size: int, pipeline: Optional[st.Pipeline],
+                mesh: jax.sharding.Mesh, init_key: jax.Array, tokens: np.ndarray
+                ) -> tuple[model_config.GPTConfig, Any]:
   """The model the config describes, traced once: its config and parameter shapes.
 
   What stacktools refuses in it (per-depth counts or a nested outer size
@@ -154,7 +160,8 @@ def _build_model(config: TrainConfig, vocab_size: int, pipeline: Optional[st.Pip
         unroll=config.unroll, pattern=config.pattern,
         window=(config.window or DEFAULT_WINDOW) if "L" in config.pattern else 0,
         bias=config.bias, pipeline=pipeline, layer_drop=config.layer_drop,
-        dtype=config.dtype, attention=config.attention)
+        dtype=config.dtype, attention=config.attention, lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha, lora_targets=config.lora_targets)
     return cfg, step_lib.trace_model(cfg, mesh, init_key, tokens)
   except (TypeError, ValueError) as e:
     sys.exit(f"error: {e}")
@@ -193,15 +200,15 @@ def _initial_state(config: TrainConfig, start: resume_lib.Start,
 
   try:
     params, opt_state, step = resume_lib.initial_state(
-        start, init_map, cfg, init_params, optimizer, _optimizer_config(config).recorded(),
+        start, init_map, cfg, init_params, optimizer, optimizer_config(config).recorded(),
         sampler, shapes, shardings)
   except resume_lib.StartError as e:
     sys.exit(f"error: {e}")
   return params, opt_state, step, shardings
 
 
-def _log_layout(config: TrainConfig, params: Any, opt_state: Any, mesh: jax.sharding.Mesh,
-                cfg: model_config.GPTConfig) -> None:
+def log_layout(config: TrainConfig, params: Any, opt_state: Any, mesh: jax.sharding.Mesh,
+               cfg: model_config.GPTConfig) -> None:
   """Logs the batch, the parameter count, their bytes per device and the pipeline's layout."""
   logging.info("Batch: %d sequences of %d characters per step, in %d microbatch(es) of %d "
                "(--grad_accum=%d), their gradients averaged before the one update.",
@@ -242,7 +249,7 @@ def _plan_remat(config: TrainConfig, workdir: str, cfg: model_config.GPTConfig,
   return dataclasses.replace(cfg, remat=remat)
 
 
-def _open_checkpoints(config: TrainConfig, workdir: str) -> saving.Manager:
+def open_checkpoints(config: TrainConfig, workdir: str) -> saving.Manager:
   """The run's checkpoint manager; every process makes one.
 
   The first start after a kill removes the step folder that the killed save
@@ -276,9 +283,11 @@ def _compile(config: TrainConfig, cfg: model_config.GPTConfig,
   return compiled_step
 
 
-def _saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.Prefetched,
-           cfg: model_config.GPTConfig, chars: str) -> Callable[[int, Any, Any], None]:
-  """``Run.save_checkpoint``: the arrays, with what a --resume checks them by."""
+def saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.Prefetched,
+          cfg: model_config.GPTConfig, chars: str,
+          **extra: Any) -> Callable[[int, Any, Any], None]:
+  """``Run.save_checkpoint``: the arrays, with what a --resume checks them by
+  (and ``extra`` metadata: a LoRA run's ``lora``)."""
 
   def save_checkpoint(step: int, params: Any, opt_state: Any) -> None:
     # A collective: every process writes its own shards, in the background.
@@ -288,8 +297,8 @@ def _saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.P
         # Not in "config" (a run resumes under either dtype): what sample.py
         # decodes in by default.
         "dtype": cfg.dtype,
-        "optimizer": _optimizer_config(config).recorded(),
-        "chars": chars})
+        "optimizer": optimizer_config(config).recorded(),
+        "chars": chars, **extra})
 
   return save_checkpoint
 
@@ -308,16 +317,16 @@ def set_up(config: TrainConfig, workdir: str) -> Run:
     The run's pieces, with the workdir created and metrics.jsonl written (on
     the chief).
   """
-  start = _check_outputs(config, workdir)
-  mesh_sizes, pipeline = _join_processes(config)
+  start = check_outputs(config, workdir)
+  mesh_sizes, pipeline = join_processes(config)
   is_chief = jax.process_index() == 0
-  dataset = _load_corpus(config, start)
+  dataset = load_corpus(config, start)
   sampler = data_lib.BatchSampler(dataset.train, config.batch_size, config.seq_len,
                                   config.seed)
   mesh = distributed.make_mesh(mesh_sizes)
   init_key = jax.random.PRNGKey(config.seed)
-  cfg, param_shapes = _build_model(config, dataset.vocab_size, pipeline, mesh, init_key,
-                                   sampler.zeros())
+  cfg, param_shapes = build_model(config, dataset.vocab_size, pipeline, mesh, init_key,
+                                  sampler.zeros())
   last_step = config.steps if config.stop_after is None else config.stop_after
   init_map = _check_start(start, cfg, last_step)
   if is_chief:
@@ -331,18 +340,18 @@ def set_up(config: TrainConfig, workdir: str) -> Run:
                len(dataset.valid), dataset.vocab_size, dataset.unigram_entropy())
   logging.info("Model: %s", cfg)
 
-  optimizer = optimizer_lib.make_optimizer(_optimizer_config(config), config.steps, cfg)
+  optimizer = optimizer_lib.make_optimizer(optimizer_config(config), config.steps, cfg)
   params, opt_state, start_step, shardings = _initial_state(
       config, start, init_map, cfg, optimizer, init_key, sampler, mesh, param_shapes)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   records = metrics.read_metrics(metrics_path, start_step) if config.resume else []
-  _log_layout(config, params, opt_state, mesh, cfg)
+  log_layout(config, params, opt_state, mesh, cfg)
   # Every process samples the global batch (indices: cheap) and moves only its devices' rows.
   batch_sharding = distributed.batch_sharding(mesh)
   if cfg.remat == "auto":
     cfg = _plan_remat(config, workdir, cfg, optimizer, params, opt_state,
                       distributed.put_global(sampler.zeros(), batch_sharding), is_chief)
-  checkpoints = _open_checkpoints(config, workdir)
+  checkpoints = open_checkpoints(config, workdir)
   compiled_step = _compile(config, cfg, optimizer, mesh, params, opt_state,
                            sampler.zeros().shape, (*shardings, batch_sharding))
   eval_sampler = data_lib.BatchSampler(dataset.valid, config.batch_size,
@@ -359,6 +368,6 @@ def set_up(config: TrainConfig, workdir: str) -> Run:
   return Run(config=config, workdir=workdir, metrics_path=metrics_path, is_chief=is_chief,
              dataset=dataset, cfg=cfg, batches=batches, compiled_step=compiled_step,
              evaluate=evaluate,
-             save_checkpoint=_saver(config, checkpoints, batches, cfg, dataset.chars),
+             save_checkpoint=saver(config, checkpoints, batches, cfg, dataset.chars),
              checkpoints=checkpoints, params=params, opt_state=opt_state,
              start_step=start_step, last_step=last_step, records=records)

@@ -11,6 +11,9 @@ r"""Trains a small character-level GPT whose blocks live in a stacktools stack.
   python examples/gpt/train.py --init_from=workdir/gpt --freeze_layers=0:2 --workdir=workdir/tuned
   python examples/gpt/train.py --init_from=workdir/gpt2 --num_layers=4 --depth_map=zero_new \
       --init_opt_state=mapped --workdir=workdir/gpt4
+  # Low-rank adapters on a trained run (only they train; checkpoints hold them alone):
+  python examples/gpt/train.py --init_from=workdir/gpt --lora_rank=8 --lora_targets=attn,mlp \
+      --data_path=other.txt --workdir=workdir/lora --export_npz=workdir/lora/merged.npz
   # A pipeline of 4 stages x 2 repeats, 8 microbatches, 2-way data parallel:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gpt/train.py \
       --mesh=pipe:4,data:2 --pipeline=circular --pipeline_repeats=2 --microbatches=8 --num_layers=8
@@ -46,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from examples.gpt import decoding  # pylint: disable=g-import-not-at-top
 from examples.gpt import distributed  # pylint: disable=g-import-not-at-top
 from examples.gpt import flags as flags_lib  # pylint: disable=g-import-not-at-top
+from examples.gpt import lora_start  # pylint: disable=g-import-not-at-top
 from examples.gpt import metrics  # pylint: disable=g-import-not-at-top
 from examples.gpt import saving  # pylint: disable=g-import-not-at-top
 from examples.gpt import start_up  # pylint: disable=g-import-not-at-top
@@ -111,7 +115,7 @@ def finish(run: start_up.Run, params: Any) -> None:
   """
   config, dataset, records = run.config, run.dataset, run.records
   # Host copies, for sampling and the export (a collective; checkpoints never gather).
-  host_params = (distributed.to_host(params)
+  host_params = (distributed.to_host(run.merged(params))
                  if config.sample_tokens or config.export_npz else None)
   logging.info("Final validation loss %.4f (unigram entropy %.4f).",
                records[-1].get("valid_loss", float("nan")) if records else float("nan"),
@@ -130,7 +134,7 @@ def finish(run: start_up.Run, params: Any) -> None:
       logging.warning("--sample_prompt has characters outside the corpus; "
                       "sampling from %r instead.", prompt or dataset.chars[0])
     decoding.warn_if_cut(prompt, run.cfg.seq_len, "--sample_prompt")
-    (text,) = decoding.generate(run.cfg, host_params, dataset, prompt or dataset.chars[0],
+    (text,) = decoding.generate(run.cfg.without_adapters(), host_params, dataset, prompt or dataset.chars[0],
                                 config.sample_tokens, temperature=0.8, seed=config.seed)
     logging.info("Sample (KV-cache decoding through scan blocks):\n%s", text)
 
@@ -157,7 +161,7 @@ def train(config: TrainConfig, workdir: str) -> Any:
   Raises:
     SystemExit: a check at start-up failed; the message is its one line.
   """
-  run = start_up.set_up(config, workdir)
+  run = (lora_start if config.lora_rank else start_up).set_up(config, workdir)
   params = train_loop(run)
   finish(run, params)
   return params
