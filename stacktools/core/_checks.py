@@ -353,48 +353,5 @@ def check_carry(carry: PyTree, new_carry: PyTree) -> None:
           "one it was given.")
 
 
-def check_block_carry(x: PyTree, new_x: PyTree) -> None:
-  """A stacked block returns ``x`` as it was given, said in the block's words
-  (``args`` for ``layer_stack``, whose function returns its arguments)."""
-  label = "args" if who() == "layer_stack" else "x"
-  (ins, in_tree), (outs, out_tree) = (jax.tree_util.tree_flatten_with_path(t) for t in (x, new_x))
-  changes = ([f"{label} from {in_tree} to {out_tree}"] if in_tree != out_tree else [
-      f"{path_str(label, path)} from {sa[1]}{list(sa[0])} to {sb[1]}{list(sb[0])}"
-      for (path, a), (_, b) in builtins.zip(ins, outs)
-      for sa, sb in [(signature(a), signature(b))] if sa != sb])
-  if changes:
-    raise TypeError(
-        f"{where()}the block changed {changes[0]}; each layer's output is the next "
-        "layer's input, so a block returns it with the structure, shape and dtype "
-        "it was given: change the block (e.g. project back to the input's width, "
-        "or cast back to its dtype).")
-
-
-def split_block_output(out: Any, x: PyTree, mode: str) -> tuple[Any, Any]:
-  """``(new_x, y)`` from a stacked block's output, checked against the mode.
-
-  The mode is ``"fold"`` (the block returns ``x``) or ``"scan"`` (``(x, y)``).
-  """
-  owner = who()
-  if mode == "fold":
-    if returned_a_pair_for_a_fold(x, out):
-      raise TypeError(
-          f"{owner}.fold: the block returned a pair (x, y), but a fold block "
-          f"returns only the new x. Use {owner}.scan to collect per-layer "
-          "outputs.")
-    return out, None
-  if not is_pair(out):
-    if owner == "layer_stack":
-      raise TypeError(
-          "layer_stack(with_per_layer_inputs=True): the function must return a "
-          f"pair (x, z), but it returned {describe(out)}. For a function that "
-          "returns only x, use with_per_layer_inputs=False.")
-    raise TypeError(
-        f"{owner}.scan: a scan block must return a pair (x, y), but it "
-        f"returned {describe(out)}. A block that returns only x is a fold "
-        f"block: use {owner}.fold.")
-  return out[0], out[1]
-
-
 # ---------------------------------------------------------------------------
 # Names a checkpoint policy refers to.

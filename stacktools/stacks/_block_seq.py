@@ -102,8 +102,10 @@ class BlockSeq(_stack_module.StackModule):
     # The same draws, in the same order, as Stacked.
     keys = _layer_step.draw_layer_keys(n)
     rates = _layer_step.drop_rates(self.layer_drop, keys)
-    steps = {kind: _layer_step.droppable(_layer_step.checked_step(inners[kind], mode, arguments),
-                                         rates) for kind in pattern.names}
+    steps = {kind: _layer_step.droppable(
+        _layer_step.checked_step(inners[kind], mode, arguments,
+                                 None if pattern.is_plain else kind), rates)
+             for kind in pattern.names}
     # The loop plan Stacked would run, walked one layer at a time.
     plan = _segments.plan_loop(
         self.remat, n, kinds=pattern.names, period=pattern.period,

@@ -92,8 +92,10 @@ def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
       inners, x, arguments, pattern, keys,
       lambda kind: _layer_step.lift_layers if pattern.is_plain else _KindParams(name=kind))
   rates = _layer_step.drop_rates(layer_drop, keys)
-  steps = {kind: _layer_step.droppable(_layer_step.checked_step(inners[kind], mode, arguments),
-                                       rates) for kind in pattern.names}
+  steps = {kind: _layer_step.droppable(
+      _layer_step.checked_step(inners[kind], mode, arguments,
+                               None if pattern.is_plain else kind), rates)
+           for kind in pattern.names}
   plan = _segments.plan_for(
       steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
       tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))

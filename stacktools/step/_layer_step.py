@@ -42,6 +42,7 @@ import numpy as np
 from stacktools.core import _checks
 from stacktools.core import _jaxpr
 from stacktools.step import _arguments
+from stacktools.step import _block_output
 from stacktools.step import _in_place
 from stacktools.step import _pattern
 
@@ -216,7 +217,7 @@ def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
   with _arguments.at_layer(layer.index):
     out, new_state = inner.apply(layer.params, layer.state, layer.rng, x,
                                  layer.sliced)
-  new_x, y = _checks.split_block_output(out, x, mode)
+  new_x, y = _block_output.split_block_output(out, x, mode)
   writes = None
   if arguments is not None and arguments.in_place:
     y, writes = _in_place.settle(y, arguments.views, mode)
@@ -224,14 +225,17 @@ def apply_layer(inner: hk.TransformedWithState, x: PyTree, layer: LayerSlice, *,
 
 
 def checked_step(inner: hk.TransformedWithState, mode: str,
-                 arguments: _arguments.BlockArguments
+                 arguments: _arguments.BlockArguments, kind: Optional[str] = None
                  ) -> Callable[[PyTree, LayerSlice], tuple[PyTree, LayerResult]]:
   """The step every stack's loop runs: :func:`apply_layer`, then a check that
-  the block gave back a carry of the same structure, shapes and dtypes."""
+  the block (of ``kind``, in a mixed-layer stack) gave back a carry of the
+  same structure, shapes and dtypes."""
+  # Read here, in the stack's own module scope (the block runs in its own).
+  stack = hk.experimental.current_name()
 
   def step(carry: PyTree, layer: LayerSlice) -> tuple[PyTree, LayerResult]:
     new_carry, result = apply_layer(inner, carry, layer, mode=mode, arguments=arguments)
-    _checks.check_block_carry(carry, new_carry)
+    _block_output.check_block_carry(carry, new_carry, stack, kind)
     return new_carry, result
 
   return step

@@ -617,9 +617,9 @@ def test_per_layer_input_with_wrong_leading_axis():
 
 
 def test_carry_shape_change():
-  fn = hk.transform(lambda x: st.layer_stack(2)(
+  fn = hk.transform(lambda x: st.layer_stack(2, name="growing")(
       lambda x: jnp.concatenate([x, x]))(x))
   # In the block's words: its args, not the loop's carry.
-  with pytest.raises(TypeError, match=r"^layer_stack: the block changed args\[0\] from "
+  with pytest.raises(TypeError, match=r"^layer_stack 'growing': the block changed args\[0\] from "
                      r"float32\[3\] to float32\[6\]; each layer's output is the next"):
     jax.eval_shape(fn.init, INIT_KEY, jnp.zeros(3))

@@ -676,11 +676,13 @@ def test_carry_shape_change(cls, kind):
     new = jnp.concatenate([x, x], axis=-1)
     return (new, None) if kind == "scan" else new
 
-  # In the block's words: the public call and its x, not the loop's carry.
+  # In the block's words: the public call, the stack's name and its x, not
+  # the loop's carry.
   with pytest.raises(TypeError, match=(
-      rf"^{cls.__name__}: the block changed x from float32\[{B}, {D}\] to "
+      rf"^{cls.__name__} 'shrinking': the block changed x from float32\[{B}, {D}\] to "
       rf"float32\[{B}, {2 * D}\]; each layer's output is the next layer's input")):
-    _in_transform(lambda x: getattr(cls(lambda: block, N), kind)(x), random_x())
+    _in_transform(lambda x: getattr(cls(lambda: block, N, name="shrinking"), kind)(x),
+                  random_x())
 
 
 @pytest.mark.parametrize("cls", [st.Stacked, st.BlockSeq])
