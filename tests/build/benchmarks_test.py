@@ -53,6 +53,7 @@ from benchmarks.common import fast_compile  # pylint: disable=wrong-import-posit
 from benchmarks.common import harness  # pylint: disable=wrong-import-position
 from benchmarks import init_time  # pylint: disable=wrong-import-position
 from benchmarks import layer_rules  # pylint: disable=wrong-import-position
+from benchmarks import lora  # pylint: disable=wrong-import-position
 from benchmarks import memory  # pylint: disable=wrong-import-position
 from benchmarks import mixed_layers  # pylint: disable=wrong-import-position
 from benchmarks import nanogpt_cpu  # pylint: disable=wrong-import-position
@@ -189,6 +190,19 @@ def test_layer_rules_quick():
     assert _positive_number(drop["median_s"][name]), name
   assert _positive_number(result["summary"]["drop_step_time_ratio"])
   assert result["summary"]["best"] in layer_rules.OPTIMIZERS
+
+
+def test_lora_quick():
+  result = _run(lora)
+  summary = result["summary"]
+  for key, value in summary.items():   # a quick run's fine-tunes may gain nothing
+    assert key.startswith("quality") or _positive_number(value), key
+  # The 8 stacked adapters add their own bytes and nothing else; the base is
+  # in memory once, and the optimizer state is the adapters' alone.
+  assert abs(summary["params_over_base_plus_adapters"] - 1) < 0.01
+  assert summary["optimizer_state_lora_over_full_gpt2_small"] < 0.02
+  temp = result["steps"]["temp_bytes"]
+  assert temp["lora"] < temp["full"] * 2 and temp["frozen_base"] < temp["full"]
 
 
 def test_depth_edits_quick():

@@ -104,7 +104,7 @@ BENCHMARKS = {"memory": (), "mixed_layers": ("--no_plot",), "compile_time": (),
               "step_time": (), "layer_rules": (), "depth_edits": (), "remat_plan": (),
               "pipeline": (), "accelerator_gpt": (), "accelerator_decode": (),
               "accelerator_offload": (), "accelerator_train": (), "decode": (),
-              "scan_gap": (), "stash_mlp": ()}
+              "scan_gap": (), "stash_mlp": (), "lora": ()}
 #: Marks the line that says what a benchmark's main() gave back.
 DONE = "stacktools-benchmark-done: "
 #: Calls each benchmark's main(["--quick", "--results_dir", FOLDER/<name>, ...])
