@@ -331,15 +331,18 @@ def _tick(device: _Device, carry: tuple[PyTree, PyTree, PyTree, PyTree],
   x_out, results = device.chunk(
       x_in, local, jax.tree_util.tree_map(lambda a: a[r], state), r, m)
   ys, new_state = results[0], results[1]   # a stage refuses in-place writes
-  state = jax.tree_util.tree_map(
-      lambda old, new: old.at[r].set(jnp.where(ok, new, old[r])), state, new_state)
-  ys_buf = jax.tree_util.tree_map(
-      lambda b, y: b.at[r, :, m].set(jnp.where(ok, y, b[r, :, m])), ys_buf, ys)
+  state = _stages.put_tree(
+      state, jax.tree_util.tree_map(lambda old, new: jnp.where(ok, new, old[r]),
+                                    state, new_state), r)
+  ys_buf = _stages.put_tree(
+      ys_buf, jax.tree_util.tree_map(lambda b, y: jnp.where(ok, y, b[r, :, m]), ys_buf, ys),
+      r, slice(None), m)
   sent = jax.tree_util.tree_map(lambda a: lax.ppermute(a, axis, shift), x_out)
   # What the last stage finished this tick arrives at stage 0: the input
   # of its microbatch's next repeat, or its output after the last.
   m_last, ok_last = micro_idx[t, stages - 1], busy[t, stages - 1]
   keep = ok_last & (stage == 0)
-  buf = jax.tree_util.tree_map(
-      lambda b, v: b.at[m_last].set(jnp.where(keep, v, b[m_last])), buf, sent)
+  buf = _stages.put_tree(
+      buf, jax.tree_util.tree_map(lambda b, v: jnp.where(keep, v, b[m_last]), buf, sent),
+      m_last)
   return (buf, sent, state, ys_buf), None

@@ -312,13 +312,10 @@ def _forward_op(device: _Device, carry: dict[str, Any], m: Any, r: Any,
   (x1, loss), (ys, new_state) = _forward(device, device.diff, state,
                                          _take(carry["inputs"], slot), m, r)
   carry = dict(carry, loss=carry["loss"] + loss / micro,
-               state=jax.tree_util.tree_map(lambda b, v: b.at[r].set(v),
-                                            carry["state"], new_state),
-               states=jax.tree_util.tree_map(lambda b, v: b.at[slot].set(v),
-                                             carry["states"], state))
+               state=_stages.put_tree(carry["state"], new_state, r),
+               states=_stages.put_tree(carry["states"], state, slot))
   if ys is not None:
-    carry["ys"] = jax.tree_util.tree_map(lambda b, y: b.at[r, :, m].set(y),
-                                         carry["ys"], ys)
+    carry["ys"] = _stages.put_tree(carry["ys"], ys, r, slice(None), m)
   return carry, x1
 
 
@@ -392,6 +389,7 @@ def _tick(device: _Device, carry: dict[str, Any], t: jax.Array) -> tuple[dict[st
   # What arrived goes into the slot the table gives it (-1: nothing came).
   for key, got, to in (("inputs", got_f, get_x), ("cotangents", got_b, get_dx)):
     at = jnp.maximum(to, 0)
-    new[key] = jax.tree_util.tree_map(
-        lambda b, v: b.at[at].set(jnp.where(to >= 0, v, b[at])), new[key], got)
+    new[key] = _stages.put_tree(
+        new[key], jax.tree_util.tree_map(lambda b, v: jnp.where(to >= 0, v, b[at]),
+                                         new[key], got), at)
   return new, None

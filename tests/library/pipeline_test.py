@@ -235,6 +235,23 @@ def test_stage_layout_round_trips_and_groups_chunks_per_stage():
   np.testing.assert_array_equal(_stages.merge_microbatches(micro), batch)
 
 
+@pytest.mark.parametrize("index", [(2,), (1, slice(None), 3), (0, 1)])
+def test_buffer_writes_are_at_set_without_a_scatter(index):
+  # The tick loops' writes (_stages.put): a dynamic_update_slice, traced
+  # indices included, equal to .at[index].set on every element.
+  buf = jnp.arange(4 * 3 * 5 * 2, dtype=jnp.float32).reshape(4, 3, 5, 2)
+  value = -jnp.ones(buf[index].shape, jnp.float32)
+  scalars = [i for i in index if not isinstance(i, slice)]
+
+  def put(b, v, *traced):   # the scalar indices traced, the slices kept
+    it = iter(traced)
+    return _stages.put(b, v, *(i if isinstance(i, slice) else next(it) for i in index))
+  write = jax.jit(put)
+  np.testing.assert_array_equal(write(buf, value, *scalars), buf.at[index].set(value))
+  text = write.lower(buf, value, *scalars).as_text()
+  assert "dynamic_update_slice" in text and "scatter" not in text
+
+
 def _block(x):
   return x + hk.Linear(x.shape[-1])(jnp.tanh(x))
 
