@@ -220,7 +220,12 @@ def embed_and_head(cfg: GPTConfig):
   ``head``) with or without a pipeline.
   """
   init = hk.initializers.RandomNormal(0.02)
-  tok = hk.Embed(cfg.vocab_size, cfg.d_model, w_init=init, name="tok_embed")
+  # A one-hot matmul, not a gather: a gather's gradient is a scatter-add, on
+  # which jax 0.12.1's SPMD partitioner aborts inside a loss pipeline on a
+  # pipe,data,fsdp mesh (docs/guides/troubleshooting.md, "Known JAX bugs").
+  # Exact (HIGHEST precision), and as fast for a character vocabulary.
+  tok = hk.Embed(cfg.vocab_size, cfg.d_model, w_init=init, lookup_style="ONE_HOT",
+                 precision=jax.lax.Precision.HIGHEST, name="tok_embed")
   pos_embed = hk.Embed(cfg.seq_len, cfg.d_model, w_init=init, name="pos_embed")
   ln_f = hk.LayerNorm(-1, create_scale=True, create_offset=cfg.bias, name="ln_f")
   out = Head(cfg.vocab_size, with_bias=cfg.bias, name="head")
