@@ -17,6 +17,7 @@ import logging
 import math
 from typing import Any, Optional
 
+from absl import logging as absl_logging
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -31,6 +32,11 @@ MESH_AXES = ("pipe", "data", "fsdp")
 PIPE = "pipe"
 # The stacks in the GPT model: st.Stacked(name="h") at the top level.
 STACKED = ("h",)
+# From this jax on (0.10.2 and 0.12.0.1 are fine), a program with
+# cross-process collectives that a multi-process CPU run loads from the
+# persistent compilation cache hangs in its first collective, whichever
+# process wrote the cache (docs/guides/troubleshooting.md: the reproducer).
+CACHE_HANGS_FROM = (0, 12, 1)
 
 
 class SetupError(ValueError):
@@ -304,3 +310,39 @@ def initialize(coordinator_address: Optional[str], num_processes: int,
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id,
                              initialization_timeout=120)
+  avoid_cache_hang()
+
+
+def _version(text: str) -> tuple[int, ...]:
+  """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; a suffix such as ``.dev`` ends it."""
+  parts = []
+  for part in text.split("."):
+    if not part.isdigit():
+      break
+    parts.append(int(part))
+  return tuple(parts)
+
+
+def avoid_cache_hang() -> bool:
+  """Turns the persistent compilation cache off where loading from it hangs.
+
+  That is a run of several processes on CPU with jax from
+  :data:`CACHE_HANGS_FROM` on, with a cache set (``JAX_COMPILATION_CACHE_DIR``):
+  JAX's bug, not the example's (two processes that share one ppermute hang
+  the same way). Called after ``jax.distributed.initialize``, before
+  anything is compiled; logs one line when it turns the cache off.
+
+  Returns:
+    Whether it turned the cache off.
+  """
+  if (jax.process_count() == 1 or jax.default_backend() != "cpu"
+      or _version(jax.__version__) < CACHE_HANGS_FROM
+      or not jax.config.jax_enable_compilation_cache
+      or not jax.config.jax_compilation_cache_dir):
+    return False
+  jax.config.update("jax_enable_compilation_cache", False)
+  absl_logging.warning(
+      "Persistent compilation cache off in this run: with jax %s, a multi-process "
+      "CPU run that loads a program with cross-process collectives from it hangs "
+      "in that program's first collective.", jax.__version__)
+  return True

@@ -177,14 +177,13 @@ class Runs:
   def pair(self, extra: dict) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a two-process run in workdir "mp", 2 devices each.
 
-    Without the persistent compilation cache: it cannot shorten these (see
-    the module docstring), and with jax 0.12.1 a resumed pair whose process
-    0 loads its train step from the cache that the first pair wrote hangs in
-    its first step (the same with the code of before --dtype and donation).
+    With the run's persistent compilation cache, as a user's run would have
+    it: where a program loaded from it would hang (jax 0.12.1: the resumed
+    pair's train step, which the first pair's process 0 wrote), train.py
+    turns the cache off and says so.
     """
     port = free_port()
-    env = {k: v for k, v in xla_env(2).items()
-           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env = xla_env(2)
     procs = []
     for i in range(2):
       flags = self.flags("mp", **extra, mesh=MESH_MP, num_processes=2, process_id=i,
@@ -466,6 +465,8 @@ def test_each_process_writes_its_shards_and_resume_continues(runs):
     assert "Resumed" not in log
   for log in resumed_logs:  # both read the checkpoint
     assert f"Resumed from step {STOP}." in log
+  for log in after_stop["logs"] + resumed_logs:
+    gpt.assert_cache_off_where_it_hangs(log)
   assert sorted(gpt.listing(os.path.join(runs.workdir("mp"), "checkpoints"))) == [
       str(STEPS), str(STOP)]
 

@@ -183,11 +183,11 @@ class Runs:
                          coordinator_address=f"127.0.0.1:{port}")
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
       # train.py as __main__, without matplotlib (no loss.png: a second of
-      # CPU), and without a persistent compilation cache: with jax 0.12.1 a
-      # resumed pair whose process 0 loads its programs from the cache that
-      # the first pair's wrote hangs in its first step.
-      env = {k: v for k, v in xla_env(2).items()
-             if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+      # CPU), and with a compilation cache of its own per process index
+      # (only process 0 writes one, so the resumed pair's process 0 reuses
+      # the programs of the first pair's). Where loading them would hang
+      # (jax 0.12.1), train.py turns the cache off and says so.
+      env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, f"jax_cache_mp{i}")))
       code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
       procs.append(start([sys.executable, "-c", code, TRAIN, *as_args(flags)], env, log))
@@ -361,6 +361,8 @@ def test_two_processes_equal_one_process_and_resume_exactly(runs):
     assert "Pipeline: 1f1b over 4 stages" in log, log
   for log in resumed_logs:
     assert f"Resumed from step {STOP}." in log, log
+  for log in straight_logs + resumed_logs:
+    gpt_driver.assert_cache_off_where_it_hangs(log)
   for workdir in (mp, resumed):
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, STEPS + 1))
   np.testing.assert_array_max_ulp(train_losses(mp).astype(np.float32),

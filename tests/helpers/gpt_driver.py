@@ -67,6 +67,31 @@ def cache_env(cache_dir: str) -> dict:
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+# The line a multi-process CPU train.py logs where it turns the persistent
+# compilation cache off (examples/gpt/distributed.py: avoid_cache_hang), and
+# the first jax that it does so on: a program with cross-process collectives
+# loaded from the cache hangs there (docs/guides/troubleshooting.md).
+CACHE_OFF = "Persistent compilation cache off in this run"
+CACHE_HANGS_FROM = (0, 12, 1)
+
+
+def jax_version() -> tuple[int, ...]:
+  """The installed jax's version, ``(0, 12, 0, 1)``, read without importing it."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  parts = []
+  for part in importlib.metadata.version("jax").split("."):
+    if not part.isdigit():
+      break
+    parts.append(int(part))
+  return tuple(parts)
+
+
+def assert_cache_off_where_it_hangs(log: str) -> None:
+  """A multi-process run's log says that the cache is off exactly where
+  loading from it hangs: from :data:`CACHE_HANGS_FROM` on."""
+  assert (CACHE_OFF in log) == (jax_version() >= CACHE_HANGS_FROM), log
+
+
 # ---------------------------------------------------------------------------
 # Drivers.
 
