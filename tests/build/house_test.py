@@ -37,6 +37,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent   # see pytest.ini: source text only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "stacktools")
 MAX_LINES = 400

@@ -10,6 +10,8 @@ import pytest
 
 from examples.gpt import files
 
+pytestmark = pytest.mark.jax_independent   # see pytest.ini: files, no JAX
+
 
 @contextlib.contextmanager
 def umask(mask: int):
