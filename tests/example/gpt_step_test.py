@@ -19,9 +19,16 @@ from examples.gpt import model_config
 from examples.gpt import step as step_lib
 
 
-def _step_outputs(grad_accum, cfg, tokens, optimizer):
+def _init(cfg, tokens):
+  """The model's parameters, initialised in one compiled program (op by op,
+  the init dispatched hundreds of small ones, each test again)."""
+  return jax.jit(step_lib.transform(cfg).init)(jax.random.PRNGKey(0), tokens)
+
+
+def _step_outputs(grad_accum, cfg, tokens, optimizer, params=None):
   model = step_lib.transform(cfg)
-  params = model.init(jax.random.PRNGKey(0), tokens)
+  if params is None:
+    params = _init(cfg, tokens)
   step = jax.jit(step_lib.make_train_step(model, optimizer, grad_accum))
   return step(params, optimizer.init(params), tokens)
 
@@ -35,14 +42,14 @@ def test_grad_accum_gives_the_whole_batch_step(block):
   # gradients themselves. (Adam's first step divides a gradient by its own
   # size, which turns rounding in a near-zero gradient into a whole step.)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-  whole = _step_outputs(1, cfg, tokens, optimizer)
+  params = _init(cfg, tokens)
+  whole = _step_outputs(1, cfg, tokens, optimizer, params)
   for grad_accum in (2, 4):
-    accumulated = _step_outputs(grad_accum, cfg, tokens, optimizer)
+    accumulated = _step_outputs(grad_accum, cfg, tokens, optimizer, params)
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
         accumulated, whole)
   # The update moved the parameters: the comparison is not of two no-ops.
-  params = step_lib.transform(cfg).init(jax.random.PRNGKey(0), tokens)
   moved = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), whole[0], params)
   assert max(jax.tree_util.tree_leaves(moved)) > 1e-3
 
@@ -55,13 +62,14 @@ def test_grad_accum_with_layer_drop_is_the_whole_batch_step():
                                d_model=16, remat="full", layer_drop=0.5)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 9), 0, 13)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-  whole = _step_outputs(1, cfg, tokens, optimizer)
+  params = _init(cfg, tokens)
+  whole = _step_outputs(1, cfg, tokens, optimizer, params)
   for grad_accum in (2, 4):
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
-        _step_outputs(grad_accum, cfg, tokens, optimizer), whole)
+        _step_outputs(grad_accum, cfg, tokens, optimizer, params), whole)
   # The drops matter: without them the step is another one.
-  kept = _step_outputs(1, dataclasses.replace(cfg, layer_drop=0.0), tokens, optimizer)
+  kept = _step_outputs(1, dataclasses.replace(cfg, layer_drop=0.0), tokens, optimizer, params)
   assert abs(float(kept[2]) - float(whole[2])) > 1e-4
 
 
