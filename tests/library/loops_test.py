@@ -241,7 +241,8 @@ def test_unrolled_steps_keep_values_in_buffers_of_their_own():
     loss = lambda init, xs: jnp.sum(fold(init, xs)["h"] ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(_init(), _xs(6)).jaxpr
     forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
-    num_carry = forward.params["num_carry"]
+    # The forward loop's outputs: the carry's leaves, then what it keeps.
+    num_carry = len(jax.tree_util.tree_leaves(_init()))
     return sorted(v.aval.shape for v in forward.outvars[num_carry:])
   one, three = kept_shapes(1), kept_shapes(3)
   assert one and all(shape[0] == 6 for shape in one)
