@@ -183,11 +183,14 @@ class Runs:
                          coordinator_address=f"127.0.0.1:{port}")
       log = os.path.join(self.tmp, f"mp{len(self.procs)}_process{i}.log")
       # train.py as __main__, without matplotlib (no loss.png: a second of
-      # CPU), and with a compilation cache of its own per process index
-      # (only process 0 writes one, so the resumed pair's process 0 reuses
-      # the programs of the first pair's). Where loading them would hang
-      # (jax 0.12.1), train.py turns the cache off and says so.
-      env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, f"jax_cache_mp{i}")))
+      # CPU), and with one compilation cache for both processes (only
+      # process 0 writes it): the resumed pair's processes both load the
+      # first pair's programs, so neither waits at the first collective for
+      # the other to compile (with a cache per process, process 1 compiled
+      # while process 0 waited, and under load gloo's connect timed out).
+      # Where loading them would hang (jax 0.12.1), train.py turns the cache
+      # off and says so.
+      env = xla_env(2, **gpt_driver.cache_env(os.path.join(self.tmp, "jax_cache_mp")))
       code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
       procs.append(start([sys.executable, "-c", code, TRAIN, *as_args(flags)], env, log))
