@@ -142,13 +142,7 @@ def set_up(config: TrainConfig, workdir: str) -> start_up.Run:
   logging.info("Train step over the adapters: compiled temp memory %.2f MiB, compiled "
                "in %.1f s.", compiled.memory_analysis().temp_size_in_bytes / 2**20,
                time.perf_counter() - compile_start)
-  eval_sampler = data_lib.BatchSampler(dataset.valid, config.batch_size,
-                                       config.seq_len, config.seed + 1)
-  evaluate = step_lib.make_evaluate(step_lib.transform(cfg), mesh, [
-      distributed.put_global(eval_sampler.next(), batch_sharding)
-      for _ in range(config.eval_batches)])
-  batches = data_lib.Prefetched(
-      sampler, lambda batch: distributed.put_global(batch, batch_sharding))
+  evaluate, batches = start_up.feeds(config, cfg, dataset, sampler, mesh, batch_sharding)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     metrics.write_metrics(metrics_path, records)

@@ -303,6 +303,19 @@ def saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.Pr
   return save_checkpoint
 
 
+def feeds(config: TrainConfig, cfg, dataset, sampler, mesh, batch_sharding):
+  """``(evaluate, batches)``: the compiled evaluation over the validation
+  batches, and the training batches, each put on the devices a step ahead."""
+  eval_sampler = data_lib.BatchSampler(dataset.valid, config.batch_size,
+                                       config.seq_len, config.seed + 1)
+  evaluate = step_lib.make_evaluate(step_lib.transform(cfg), mesh, [
+      distributed.put_global(eval_sampler.next(), batch_sharding)
+      for _ in range(config.eval_batches)])
+  batches = data_lib.Prefetched(
+      sampler, lambda batch: distributed.put_global(batch, batch_sharding))
+  return evaluate, batches
+
+
 def set_up(config: TrainConfig, workdir: str) -> Run:
   """Checks the config and the workdir, then loads, builds and compiles.
 
@@ -354,14 +367,7 @@ def set_up(config: TrainConfig, workdir: str) -> Run:
   checkpoints = open_checkpoints(config, workdir)
   compiled_step = _compile(config, cfg, optimizer, mesh, params, opt_state,
                            sampler.zeros().shape, (*shardings, batch_sharding))
-  eval_sampler = data_lib.BatchSampler(dataset.valid, config.batch_size,
-                                       config.seq_len, config.seed + 1)
-  evaluate = step_lib.make_evaluate(step_lib.transform(cfg), mesh, [
-      distributed.put_global(eval_sampler.next(), batch_sharding)
-      for _ in range(config.eval_batches)])
-  # The training batches, each put on the devices a step ahead.
-  batches = data_lib.Prefetched(
-      sampler, lambda batch: distributed.put_global(batch, batch_sharding))
+  evaluate, batches = feeds(config, cfg, dataset, sampler, mesh, batch_sharding)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     metrics.write_metrics(metrics_path, records)
