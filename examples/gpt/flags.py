@@ -154,7 +154,8 @@ flags.DEFINE_float(
 flags.DEFINE_string(
     "init_from", None, "An earlier run's --workdir: start from the parameters of its "
     "latest checkpoint (fine-tuning), at this run's --num_layers through "
-    "--depth_map. The other model flags must be that run's.", **_OWNER)
+    "--depth_map; or the .npz of its --export_npz (its parameters alone: "
+    "--init_opt_state=fresh). The other model flags must be that run's.", **_OWNER)
 flags.DEFINE_string(
     "depth_map", None, "With --init_from, how its N blocks become this run's "
     "--num_layers: repeat (each block in place: 0 0 1 1; the lower blocks take any "
@@ -194,7 +195,10 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
     "export_npz", "", "After training, also write the final parameters to this "
     "path as one .npz (np.load(path, allow_pickle=False); keys like "
-    "'h/block/fc/w'), gathered onto process 0. Default: no export.", **_OWNER)
+    "'h/block/fc/w', and 'meta': the model's config and characters as JSON), "
+    "gathered onto process 0; a --lora_rank run writes its base with the adapters "
+    "merged in. sample.py --workdir and --init_from read it as a run. Default: "
+    "no export.", **_OWNER)
 flags.DEFINE_integer("log_every", 50, "Steps between log lines.", lower_bound=1, **_OWNER)
 flags.DEFINE_float(
     "peak_flops", None, "One device's peak FLOP/s, for the model TFLOP/s and MFU "

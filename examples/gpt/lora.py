@@ -92,7 +92,7 @@ def check_start(start: Start, lora_rank: int, lora_alpha: Optional[float],
     raise StartError(
         f"--init_from={start.init_from!r} holds low-rank adapters, not a whole model: "
         f"start from their base, --init_from={start.init_meta['lora']['base']!r}, or "
-        "from a run of the merged parameters.")
+        "from their merged parameters, the .npz of that run's --export_npz.")
 
 
 def fingerprint(params: Any) -> str:

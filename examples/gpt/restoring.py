@@ -4,7 +4,8 @@ The steps are those ``saving.py`` writes (a "checkpoint" here is a saved
 step of a run, not the library's remat). :func:`restore` reads a step into
 the shardings of the current mesh, whichever mesh saved it, after checking
 that its parameters and optimizer state are this run's model's and
-optimizer's. :func:`read_arrays` reads one item onto the host.
+optimizer's. :func:`read_arrays` reads one item onto the host. Both read an
+export (``saving.export_npz``) as a step of parameters alone.
 
 :func:`restore_across_depth` reads a step into a model of another depth
 (``st.take_layers`` on the stack's layers, and on the matching rows of the
@@ -44,8 +45,11 @@ def restore(workdir: str, step: int, params: Any,
     ``(params, opt_state)`` as ``jax.Array``s (``opt_state`` None if skipped).
 
   Raises:
-    CheckpointError: from another model, or unreadable (corrupt, missing files).
+    CheckpointError: from another model, or unreadable (corrupt, missing files);
+      an export (``saving.is_export``) asked for an optimizer state.
   """
+  if saving.is_export(workdir):
+    return _restore_export(workdir, params, opt_state), None
   saving.quiet_orbax()
   step_dir = saving.epath.Path(saving.folder(workdir)) / str(step)
   # When one read fails, Orbax closes its event loop while tensorstore still
@@ -84,6 +88,19 @@ def restore(workdir: str, step: int, params: Any,
   sys.unraisablehook = previous_hook
   asyncio_log.removeFilter(_UNRETRIEVED)
   return restored["params"], restored["opt_state"]
+
+
+def _restore_export(path: str, params: Any, opt_state: Optional[Any]) -> Any:
+  """An export's parameters in the tree, shapes and shardings of ``params``."""
+  if opt_state is not None:
+    raise CheckpointError(f"{path} is an export of parameters alone (train.py "
+                          "--export_npz): it holds no optimizer state.")
+  host = _unflatten_like(params, read_arrays(path), "parameter",
+                         "model flags (e.g. --num_layers, --d_model, --pattern, --bias)")
+  return jax.tree_util.tree_map(
+      lambda array, s: jax.make_array_from_callback(array.shape, s.sharding,
+                                                    lambda index: array[index]),
+      host, params)
 
 
 class _UnretrievedTask(py_logging.Filter):
@@ -182,8 +199,13 @@ def read_arrays(workdir: str, step: Optional[int] = None,
   Args:
     workdir: the run's folder.
     step: a committed step; the latest if None.
-    item: ``"params"`` or ``"opt_state"``.
+    item: ``"params"`` or ``"opt_state"`` (an export holds the parameters alone).
   """
+  if saving.is_export(workdir):
+    if item != "params":
+      raise CheckpointError(f"{workdir} is an export of parameters alone (train.py "
+                            f"--export_npz): it holds no {item}.")
+    return saving.load_npz(workdir)
   step = saving.latest(workdir)[0] if step is None else step
   path = saving.epath.Path(saving.folder(workdir)) / str(step) / item
   handler = saving.ocp.StandardCheckpointHandler()

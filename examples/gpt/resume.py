@@ -54,7 +54,7 @@ class Start:
   workdir: str   # this run's --workdir
   resume_step: int = 0   # with --resume: this workdir's latest step
   resume_meta: Optional[dict[str, Any]] = None   # and its metadata
-  init_from: Optional[str] = None   # --init_from: another run's workdir
+  init_from: Optional[str] = None   # --init_from: another run's workdir or export
   init_step: int = 0   # its latest step
   init_meta: Optional[dict[str, Any]] = None   # and its metadata
   depth_map: Optional[str] = None   # --depth_map
@@ -117,8 +117,8 @@ def find_resume(workdir: str, resume: bool) -> tuple[int, Optional[dict[str, Any
 
 
 def find_init_from(init_from: Optional[str]) -> tuple[int, Optional[dict[str, Any]]]:
-  """The step and metadata of --init_from's latest checkpoint; ``(0, None)``
-  without it.
+  """The step and metadata of --init_from's latest checkpoint (or of its
+  export, ``saving.export_npz``'s); ``(0, None)`` without it.
 
   Raises:
     StartError: no readable checkpoint there.
@@ -128,8 +128,8 @@ def find_init_from(init_from: Optional[str]) -> tuple[int, Optional[dict[str, An
   try:
     return saving.latest(init_from)
   except saving.NotFoundError as e:
-    raise StartError(f"--init_from={init_from!r}: {e} Pass the --workdir of "
-                     "a run that saved a checkpoint.") from None
+    raise StartError(f"--init_from={init_from!r}: {e} Pass the --workdir of a run "
+                     "that saved a checkpoint, or the .npz of its --export_npz.") from None
   except saving.CheckpointError as e:
     raise StartError(f"--init_from={init_from!r}: {e}") from None
 
@@ -289,6 +289,10 @@ def check_init_from(start: Start, cfg: model_config.GPTConfig, last_step: int) -
                                            len(cfg.pattern) or 1, cfg.pattern)
   except ValueError as e:
     raise StartError(f"--init_from={init_from!r}: {e}") from None
+  if start.mapped and saving.is_export(init_from):
+    raise StartError(f"--init_opt_state=mapped goes on with a checkpoint's optimizer state, "
+                     f"and --init_from={init_from!r} is an export of parameters alone: pass "
+                     "--init_opt_state=fresh, or the --workdir of the run that exported it.")
   if start.mapped and init_step >= last_step:
     raise StartError(
         f"--init_opt_state=mapped goes on from step {init_step} of "

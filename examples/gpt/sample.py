@@ -2,6 +2,7 @@ r"""Generates text from a trained checkpoint with a KV cache through scan blocks
 
   python examples/gpt/sample.py --workdir=workdir/gpt --prompt="def " --num_tokens=300
   python examples/gpt/sample.py --num_samples=4 --top_k=5   # 4 continuations, one batch
+  python examples/gpt/sample.py --workdir=workdir/lora/merged.npz   # train.py --export_npz's
   # Each row on its own LoRA run's adapters (train.py --lora_rank), over one base:
   python examples/gpt/sample.py --workdir=workdir/gpt --adapters=workdir/lora_a,workdir/lora_b
 
@@ -46,7 +47,8 @@ SEPARATOR = "-" * 40
 
 def sample(config: SampleConfig) -> list[str]:
   """The continuations of ``config.prompt`` by the latest committed step in
-  ``config.workdir``: what the binary prints, callable from Python.
+  ``config.workdir`` (or by the export it names: train.py --export_npz's
+  .npz): what the binary prints, callable from Python.
 
   Example::
 
@@ -59,7 +61,8 @@ def sample(config: SampleConfig) -> list[str]:
   workdir = config.workdir
   # What makes a checkpoint here (this binary has no --resume to drop).
   train = f"python examples/gpt/train.py --workdir={shlex.quote(workdir)}"
-  problem = files.readable_folder_problem(workdir)
+  export = saving.is_export(workdir)   # train.py --export_npz's file: a run of one step
+  problem = None if export else files.readable_folder_problem(workdir)
   if problem:
     train_first = f", or train first with {train}" if problem == files.MISSING else ""
     sys.exit(f"error: --workdir={workdir!r} {problem}; pass the folder that "
@@ -70,7 +73,9 @@ def sample(config: SampleConfig) -> list[str]:
   try:
     step, meta = saving.latest(workdir)
   except saving.NotFoundError as e:
-    sys.exit(f"error: {e} Train first with {train}.")
+    sys.exit(f"error: {e} " + (
+        "Pass the .npz that train.py --export_npz wrote, or a run's folder."
+        if export else f"Train first with {train}."))
   except saving.CheckpointError as e:
     sys.exit(f"error: {e}")
   # A LoRA run's checkpoints hold adapters: its base is the model, decoded

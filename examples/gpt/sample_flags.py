@@ -45,7 +45,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     for flag in list(flag_values.flags_by_module_dict().get("absl.testing.absltest", [])):
       delattr(flag_values, flag.name)
   flags.DEFINE_string("workdir", "workdir/gpt", "Folder that train.py wrote its "
-                      "checkpoints to (the latest committed step is used).", **fv)
+                      "checkpoints to (the latest committed step is used), or the "
+                      ".npz that its --export_npz wrote.", **fv)
   flags.DEFINE_string("prompt", "def ", "Text to continue.", **fv)
   flags.DEFINE_integer("num_tokens", 300, "Characters to generate.", lower_bound=1, **fv)
   flags.DEFINE_float("temperature", 0.8, "0 for greedy.", lower_bound=0.0, **fv)

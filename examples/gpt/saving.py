@@ -30,8 +30,11 @@ depth.
 
 Nothing here is read with pickle. :func:`latest` reads the metadata without
 JAX, so that ``train.py --resume`` can check it before the processes join.
-:func:`export_npz` writes one ``.npz`` of host arrays for inspection without
-Orbax (``np.load(path, allow_pickle=False)``).
+:func:`export_npz` writes one ``.npz`` of host arrays, readable without Orbax
+(``np.load(path, allow_pickle=False)``), with the run's metadata in its
+``meta`` entry: :func:`latest` reads an export as a run's latest step, so
+that ``sample.py --workdir`` and ``train.py --init_from`` take either
+(:func:`is_export` tells them apart by the path).
 
 ``import stacktools`` never imports this module, nor Orbax: Orbax is a
 dependency of the example only (``pip install -e '.[examples]'``).
@@ -40,9 +43,11 @@ dependency of the example only (``pip install -e '.[examples]'``).
 from __future__ import annotations
 
 import importlib
+import json
 import logging as py_logging
 import os
 from typing import Any
+import zipfile
 
 import jax
 import numpy as np
@@ -65,6 +70,11 @@ ocp = _Lazy("orbax.checkpoint")
 epath = _Lazy("etils.epath")
 
 FOLDER = "checkpoints"
+#: The entry of an export that holds the run's metadata as JSON: a name no
+#: parameter has (theirs are ``module/name``).
+EXPORT_META = "meta"
+#: What an export's metadata must hold for a reader to rebuild its model.
+EXPORT_FIELDS = ("step", "config", "dtype", "chars")
 # The suffix of a step folder that is still being written (or never finished).
 UNFINISHED_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -124,10 +134,17 @@ def latest(workdir: str) -> tuple[int, dict[str, Any]]:
   Reads the files only, without starting JAX: callable before
   ``jax.distributed.initialize``. Every process of a run reads the same.
 
+  An export (:func:`is_export`) is a run of one step: its own, and the
+  metadata :func:`export_npz` wrote into it.
+
   Raises:
-    NotFoundError: no committed step (a half-written one does not count).
-    CheckpointError: the latest step's metadata is unreadable.
+    NotFoundError: no committed step (a half-written one does not count),
+      or no export at that path.
+    CheckpointError: the latest step's metadata is unreadable, or the file
+      is no export.
   """
+  if is_export(workdir):
+    return read_export(workdir)
   steps = committed_steps(workdir)
   if not steps:
     raise NotFoundError(f"No checkpoint in {folder(workdir)}.")
@@ -282,19 +299,77 @@ def check_shared(workdir: str) -> None:
         "they share.")
 
 
-def export_npz(path: str, params: Any) -> str:
-  """Writes host ``params`` to ``path`` as one ``.npz``, atomically.
+def is_export(path: str) -> bool:
+  """Whether ``path`` names an export (:func:`export_npz`'s file) rather than
+  a run's folder: a name ending in ``.npz``, or a zip archive (as an .npz
+  is), that is no folder. Reads no more than a file's end; no JAX."""
+  if os.path.isdir(path):
+    return False
+  return path.endswith(".npz") or (os.path.isfile(path) and zipfile.is_zipfile(path))
+
+
+def export_npz(path: str, params: Any, meta: dict[str, Any]) -> str:
+  """Writes host ``params`` and the run's ``meta`` to ``path`` as one ``.npz``, atomically.
 
   Keys are :func:`flatten`'s (``"h/block/fc/w"``: the Haiku module, then the
-  parameter); read it with ``np.load(path, allow_pickle=False)``.
+  parameter), and :data:`EXPORT_META`, ``meta`` as JSON (a 0-d string array:
+  :data:`EXPORT_FIELDS`, what a checkpoint's metadata says of the model).
+  Read it with :func:`load_npz` and :func:`latest`, or
+  ``np.load(path, allow_pickle=False)``.
   """
   arrays = {k: np.asarray(v) for k, v in flatten(params).items()}
+  arrays[EXPORT_META] = np.asarray(json.dumps(meta))
   folder_ = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder_, exist_ok=True)
   return files.atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
+def _npz(path: str) -> Any:
+  """``np.load``'s open archive of the export ``path``; CheckpointError
+  (NotFoundError where there is none) in one line otherwise."""
+  if not os.path.exists(path):
+    raise NotFoundError(f"There is no export at {os.path.abspath(path)}.")
+  try:
+    if not zipfile.is_zipfile(path):
+      raise ValueError("not a zip archive")
+    return np.load(path, allow_pickle=False)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f"{path} is not an .npz that train.py --export_npz wrote ({one_line(e)}); pass "
+        "such a file, or a run's --workdir.") from None
+
+
+def read_export(path: str) -> tuple[int, dict[str, Any]]:
+  """The step and metadata of an export, as :func:`latest` gives a run's.
+
+  Raises:
+    NotFoundError: no file at ``path``.
+    CheckpointError: unreadable, or without the metadata that
+      :func:`export_npz` writes.
+  """
+  with _npz(path) as data:
+    try:
+      meta = json.loads(str(data[EXPORT_META])) if EXPORT_META in data.files else None
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"{path}: its {EXPORT_META!r} entry is unreadable "
+                            f"({one_line(e)}); export the run again.") from None
+  missing = [f for f in EXPORT_FIELDS if not isinstance(meta, dict) or f not in meta]
+  if missing:
+    raise CheckpointError(
+        f"{path} holds no run metadata ({', '.join(missing)} in its {EXPORT_META!r} "
+        "entry), so its model cannot be rebuilt: it was not written by train.py "
+        "--export_npz (or by an older one); pass the --workdir of the run instead.")
+  return meta["step"], meta
+
+
 def load_npz(path: str) -> dict[str, np.ndarray]:
-  """What :func:`export_npz` wrote, without pickle."""
-  with np.load(path, allow_pickle=False) as data:
-    return {k: data[k] for k in data.files}
+  """The parameters :func:`export_npz` wrote, without pickle (not its metadata).
+
+  Raises:
+    CheckpointError: unreadable, or no such file (NotFoundError).
+  """
+  with _npz(path) as data:
+    try:
+      return {k: data[k] for k in data.files if k != EXPORT_META}
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"{path} is not a readable .npz ({one_line(e)}).") from None

@@ -292,15 +292,18 @@ def saver(config: TrainConfig, checkpoints: saving.Manager, batches: data_lib.Pr
   def save_checkpoint(step: int, params: Any, opt_state: Any) -> None:
     # A collective: every process writes its own shards, in the background.
     checkpoints.save(step, params, opt_state, {
-        "sampler_state": batches.get_state(),
-        "config": resume_lib.recorded_config(cfg),
-        # Not in "config" (a run resumes under either dtype): what sample.py
-        # decodes in by default.
-        "dtype": cfg.dtype,
-        "optimizer": optimizer_config(config).recorded(),
-        "chars": chars, **extra})
+        "sampler_state": batches.get_state(), **model_meta(cfg, chars),
+        "optimizer": optimizer_config(config).recorded(), **extra})
 
   return save_checkpoint
+
+
+def model_meta(cfg: model_config.GPTConfig, chars: str) -> dict[str, Any]:
+  """What the metadata of a checkpoint and of an export say of the model:
+  its config (a LoRA run's: the base's), its characters, and the dtype it
+  trained in (not in "config": a run resumes under either; sample.py decodes
+  in it by default)."""
+  return {"config": resume_lib.recorded_config(cfg), "dtype": cfg.dtype, "chars": chars}
 
 
 def feeds(config: TrainConfig, cfg, dataset, sampler, mesh, batch_sharding):

@@ -30,7 +30,8 @@ candidate and the chosen plan, and remat_plan-<hash>.json, the plan that a
 (every --checkpoint_every steps and at the end, asynchronously, each process
 its own shards, the last --keep_checkpoints kept); a start removes what a
 killed run's writes left there. --export_npz also writes the final parameters
-as one .npz.
+(a LoRA run's merged into its base) as one .npz, with the run's metadata:
+sample.py --workdir and --init_from read it as they read a run.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def finish(run: start_up.Run, params: Any) -> None:
   run.checkpoints.close()
   if not run.is_chief:
     return
-  if config.export_npz:
-    logging.info("Wrote %s", saving.export_npz(config.export_npz, host_params))
+  if config.export_npz:   # a run of one step, for sample.py and --init_from
+    meta = {**start_up.model_meta(run.cfg, dataset.chars), "step": run.last_step,
+            "workdir": os.path.abspath(run.workdir)}
+    logging.info("Wrote %s", saving.export_npz(config.export_npz, host_params, meta))
   metrics.plot_losses(run.workdir, records, dataset.unigram_entropy())
   if config.sample_tokens:
     # Sampling is small: it runs on process 0 alone, from host copies.

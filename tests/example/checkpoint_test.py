@@ -219,9 +219,12 @@ def test_kill_during_an_async_save_loses_only_the_steps_since_the_last_commit(ru
 def test_export_npz_holds_the_checkpoint_parameters(runs):
   log = wait_ok(runs.straight)
   assert f"Wrote {runs.export}" in log
-  with np.load(runs.export, allow_pickle=False) as data:
-    exported = {k: data[k] for k in data.files}
+  with np.load(runs.export, allow_pickle=False) as data:   # no Orbax, no pickle
+    exported = {k: data[k] for k in data.files if k != saving.EXPORT_META}
+    meta = json.loads(str(data[saving.EXPORT_META]))
   assert any(k.startswith("h/block/") for k in exported), sorted(exported)
+  saved = saving.latest(runs.workdir("straight"))[1]   # what sample.py and --init_from need
+  assert meta["step"] == STEPS and all(meta[k] == saved[k] for k in ("config", "dtype", "chars"))
   assert_same_arrays(exported, restoring.read_arrays(runs.workdir("straight")))
   assert not os.listdir(saving.folder(runs.workdir("straight"))) == []
   assert sorted(os.listdir(os.path.dirname(runs.export))) == ["straight.npz"]  # no temp file

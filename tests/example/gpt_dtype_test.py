@@ -282,6 +282,8 @@ def _params_from_npz(path):
   with np.load(path, allow_pickle=False) as arrays:
     params = {}
     for key in arrays.files:
+      if key == "meta":   # the run's metadata, beside the parameters
+        continue
       module, name = key.rsplit("/", 1)
       params.setdefault(module, {})[name] = arrays[key]
   return params

@@ -8,9 +8,13 @@ Every claim against an independent reference:
 * --export_npz writes the merged parameters: the base's, with each adapted
   ``w`` plus ``(alpha / rank) * lora_a @ lora_b``, computed here in numpy from
   the run's own checkpoint;
+* that export is a run: sample.py --workdir=<it> decodes greedily what the
+  LoRA run decodes on its adapters, and --init_from=<it> starts from exactly
+  its parameters (a run at learning rate 0 keeps them);
 * sample.py --adapters=A,B decodes each row on its own adapters, greedily
   the text that --adapters=A and --adapters=B decode alone;
-* mistakes stop at start-up with one line and write nothing.
+* mistakes stop at start-up with one line and write nothing (a missing or
+  unreadable export among them).
 """
 
 import json
@@ -51,13 +55,18 @@ def runs(tmp_path_factory, corpus):
            spec("lora_b", init_from=path("base"), lora_rank=2, lora_alpha=4.0,
                 lora_targets="attn", learning_rate=5e-2, seed=3),
            spec("lora_other", init_from=path("other_base"), lora_rank=2),
+           # The export as a run: one step at learning rate 0 keeps its parameters.
+           spec("from_export", init_from=path("merged.npz"), learning_rate=0.0, steps=1,
+                warmup_steps=0),
            # Mistakes: one line each, nothing written.
            spec("rank_over", init_from=path("base"), lora_rank=17),
            spec("no_match", init_from=path("base"), lora_rank=2, lora_targets="nothing"),
            spec("resume_other", workdir=path("lora"), resume=True, lora_rank=4),
            spec("resume_without", workdir=path("lora"), resume=True),
            spec("init_from_adapters", init_from=path("lora"), lora_rank=2),
-           spec("resume_plain_as_lora", workdir=path("base"), resume=True, lora_rank=2)]
+           spec("resume_plain_as_lora", workdir=path("base"), resume=True, lora_rank=2),
+           spec("missing_export", init_from=path("missing.npz")),
+           spec("mapped_export", init_from=path("merged.npz"), init_opt_state="mapped")]
   proc, out_path = gpt_driver.start_driver(tmp, "lora", specs, gpt_driver.xla_env())
   try:
     wait(proc)
@@ -101,7 +110,11 @@ def test_a_resumed_lora_run_trains_as_one_that_never_stopped(runs):
 
 def test_export_is_the_base_with_the_adapters_merged_in(runs):
   _ok(runs, "lora_resumed")
-  merged = dict(np.load(runs["path"]("merged.npz"), allow_pickle=False))
+  merged, meta = gpt_driver.load_export(runs["path"]("merged.npz"))
+  base_meta = gpt_driver.load_meta(runs["path"]("base"))
+  assert {k: meta[k] for k in ("config", "chars", "dtype")} == {
+      k: base_meta[k] for k in ("config", "chars", "dtype")}
+  assert "lora" not in meta and meta["step"] == TINY["steps"]
   base = {k[len("params/"):]: v for k, v in gpt_driver.load_checkpoint(
       runs["path"]("base")).items() if k.startswith("params/")}
   adapters = {k[len("params/"):]: v for k, v in gpt_driver.load_checkpoint(
@@ -125,13 +138,23 @@ def test_the_base_is_bit_identical_after_fine_tunes(runs):
   # final parameters: the checkpoint is still, bit for bit, that export.
   for name in ("lora_resumed", "lora_straight", "lora_b"):
     _ok(runs, name)
-  exported = dict(np.load(runs["path"]("base.npz"), allow_pickle=False))
+  exported, _ = gpt_driver.load_export(runs["path"]("base.npz"))
   saved = {k[len("params/"):]: v for k, v in gpt_driver.load_checkpoint(
       runs["path"]("base")).items() if k.startswith("params/")}
   assert set(saved) == set(exported)
   for key, value in saved.items():
     np.testing.assert_array_equal(value, exported[key])
   assert gpt_driver.load_meta(runs["path"]("base"))["step"] == TINY["steps"]
+
+
+def test_init_from_the_export_starts_from_the_merged_parameters(runs):
+  started = gpt_driver.load_checkpoint(_ok(runs, "from_export"))
+  merged, _ = gpt_driver.load_export(runs["path"]("merged.npz"))
+  params = {k[len("params/"):]: v for k, v in started.items() if k.startswith("params/")}
+  assert set(params) == set(merged)
+  for key, value in merged.items():
+    np.testing.assert_array_equal(params[key], value, err_msg=key)
+  assert "Initialized from " + runs["path"]("merged.npz") in runs["out"]["from_export"]["log"]
 
 
 @pytest.mark.parametrize("name, fragments", [
@@ -141,6 +164,10 @@ def test_the_base_is_bit_identical_after_fine_tunes(runs):
     ("resume_without", ["holds adapters of --lora_rank=2", "this run has no --lora_rank"]),
     ("init_from_adapters", ["holds low-rank adapters, not a whole model", "start from their base"]),
     ("resume_plain_as_lora", ["is a whole model's, not adapters", "drop --lora_rank"]),
+    ("missing_export", ["--init_from=", "There is no export at", "missing.npz",
+                        "or the .npz of its --export_npz"]),
+    ("mapped_export", ["--init_opt_state=mapped", "is an export of parameters alone",
+                       "pass --init_opt_state=fresh"]),
 ])
 def test_mistakes_stop_with_one_line(runs, name, fragments):
   run = runs["out"][name]
@@ -149,24 +176,34 @@ def test_mistakes_stop_with_one_line(runs, name, fragments):
   assert "\n" not in line.strip(), line
   for fragment in fragments:
     assert fragment in line, (fragment, line)
-  if name in ("rank_over", "no_match", "init_from_adapters"):
+  if name in ("rank_over", "no_match", "init_from_adapters", "missing_export", "mapped_export"):
     assert not os.path.exists(os.path.join(runs["path"](name), "checkpoints"))
 
 
 @pytest.fixture(scope="module")
 def samples(runs, tmp_path_factory):
   """sample.py's greedy output for each ``--adapters`` list, in one driver."""
-  for name in ("lora_straight", "lora_b", "lora_other"):
+  for name in ("lora_straight", "lora_b", "lora_other", "lora_resumed"):
     _ok(runs, name)
   path, base = runs["path"], runs["path"]("base")
+  tmp = str(tmp_path_factory.mktemp("samples"))
+  not_npz, no_meta = os.path.join(tmp, "not.npz"), os.path.join(tmp, "no_meta.npz")
+  with open(not_npz, "w", encoding="utf-8") as f:
+    f.write("not an archive\n")
+  np.savez(no_meta, **{"h/block/fc/w": np.zeros(2)})
   common = ["--num_tokens=24", "--temperature=0", "--prompt=the "]
   specs = {"both": [f"--workdir={base}", f"--adapters={path('lora_straight')},{path('lora_b')}"],
            "a": [f"--workdir={base}", f"--adapters={path('lora_straight')}"],
            "b": [f"--workdir={path('lora_b')}"],
            "base": [f"--workdir={base}"],
            "other_base": [f"--workdir={base}", f"--adapters={path('lora_other')}"],
-           "no_lora": [f"--workdir={base}", f"--adapters={base}"]}
-  tmp = str(tmp_path_factory.mktemp("samples"))
+           "no_lora": [f"--workdir={base}", f"--adapters={base}"],
+           # The LoRA run on its adapters, and its export: the adapters merged in.
+           "lora": [f"--workdir={path('lora')}"],
+           "export": [f"--workdir={path('merged.npz')}"],
+           "missing_export": [f"--workdir={path('missing.npz')}"],
+           "not_npz": [f"--workdir={not_npz}"],
+           "no_meta": [f"--workdir={no_meta}"]}
   cli = gpt_driver.CliRuns(tmp, "samples", {k: v + common for k, v in specs.items()},
                            gpt_driver.xla_env(), script=gpt_driver.SAMPLE)
   yield cli
@@ -183,11 +220,23 @@ def test_each_row_decodes_on_its_own_adapters_as_that_adapter_alone(samples):
   assert texts["a"] != texts["base"] or texts["b"] != texts["base"]
 
 
+def test_sampling_the_export_is_sampling_the_lora_run_on_its_adapters(samples):
+  (rc, lora_text, err), (export_rc, export_text, export_err) = samples["lora"], samples["export"]
+  assert rc == 0, err
+  assert export_rc == 0, export_err
+  assert export_text == lora_text and lora_text.startswith("the ")
+
+
 @pytest.mark.parametrize("key, fragments", [
+    ("missing_export", ["There is no export at", "missing.npz",
+                        "Pass the .npz that train.py --export_npz wrote"]),
+    ("not_npz", ["not.npz is not an .npz that train.py --export_npz wrote (not a zip archive)"]),
+    ("no_meta", ["no_meta.npz holds no run metadata (step, config, dtype, chars",
+                 "pass the --workdir of the run instead"]),
     ("other_base", ["--adapters", "were trained on the parameters of", "pass that base"]),
     ("no_lora", ["--adapters", "holds a whole model's checkpoints, not adapters"]),
 ])
-def test_adapters_of_another_base_are_refused_in_one_line(samples, key, fragments):
+def test_what_sample_cannot_read_is_refused_in_one_line(samples, key, fragments):
   rc, _, err = samples[key]
   gpt_driver.one_line_error(rc, err, fragments, key)
 

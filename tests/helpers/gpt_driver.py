@@ -370,6 +370,12 @@ def load_meta(workdir: str) -> dict:
   return saving.latest(workdir)[1]
 
 
+def load_export(path: str) -> tuple[dict[str, np.ndarray], dict]:
+  """What ``--export_npz`` wrote: the parameters by key, and the run's metadata."""
+  from examples.gpt import saving  # pylint: disable=g-import-not-at-top
+  return saving.load_npz(path), saving.read_export(path)[1]
+
+
 def listing(path: str) -> set[str]:
   return set(os.listdir(path)) if os.path.exists(path) else set()
 
