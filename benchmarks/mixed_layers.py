@@ -22,7 +22,8 @@ The blocks of questions 2 and 3 are the GPT example's blocks
 block attends over the last ``--window`` positions, a global one over all.
 Question 1 uses two residual MLPs with different hidden widths
 (``--verify_block``; 72 cases of three programs each compile quickly) and
-the GPT example itself.
+the GPT example itself. The stacks compared, their blocks and the loop they
+are checked against are in ``benchmarks/common/pattern_stacks.py``.
 
   python -m benchmarks.mixed_layers            # full run, ~10 min on 2 cores
   python -m benchmarks.mixed_layers --quick    # seconds (the smoke test)
@@ -40,120 +41,38 @@ from typing import Any, Optional
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import stacktools as st
 from benchmarks.common import fast_compile
 from benchmarks.common import harness
 from benchmarks.common import instruments
+from benchmarks.common import models
+from benchmarks.common import pattern_stacks
 from benchmarks.common import report
 from examples.gpt import decoding
 from examples.gpt import model as gpt
 from examples.gpt import model_config
 
 NAME = "mixed_layers"
-P51 = "LLLLLG"
 ALIASES = tuple(st.CheckpointPolicy.ALIASES)
-CONTENDERS = {"pattern": "st.Stacked, pattern=LLLLLG", "blockseq": "st.BlockSeq, pattern=LLLLLG",
-              "one_block": "st.Stacked, one (global) block"}
 RTOL = 1e-5
-
-
-# ---------------------------------------------------------------------------
-# The blocks: the GPT example's, with local (windowed) or global attention.
-
-
-class MLPBlock(hk.Module):
-  """``x + W2 gelu(W1 x)`` with a hidden width of ``ratio * width``: the
-  cheap block of ``--block=mlp`` (the smoke test's)."""
-
-  def __init__(self, ratio: int, name: Optional[str] = None):
-    super().__init__(name=name)
-    self.ratio = ratio
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    h = st.checkpoint_name(jax.nn.gelu(hk.Linear(self.ratio * x.shape[-1], name="fc")(x)),
-                           "mlp_hidden")
-    return x + hk.Linear(x.shape[-1], name="out")(h)
-
-
-def factories(args) -> dict[str, Any]:
-  if args.block == "mlp":   # two kinds with different parameter shapes
-    return {"L": lambda: MLPBlock(2, name="block"), "G": lambda: MLPBlock(4, name="block")}
-  # The GPT example's block; Block takes the window itself, so the config
-  # needs no pattern (its vocab_size is never used by a block).
-  cfg = model_config.GPTConfig(vocab_size=1, seq_len=args.seq_len, num_heads=args.heads,
-                               d_model=args.width)
-  return {"L": lambda: gpt.Block(cfg, args.window, name="block"),
-          "G": lambda: gpt.Block(cfg, None, name="block")}
-
-
-def stack_fn(args, impl: str, pattern: str, n: int, remat: Any, reverse: bool = False):
-  """``f(x)``: the stack applied to ``x``, to transform."""
-  if impl == "one_block":
-    return lambda x: st.Stacked(factories(args)["G"], n, remat=remat, name="h").fold(x)
-  cls = st.BlockSeq if impl == "blockseq" else st.Stacked
-  return lambda x: cls(factories(args), n, pattern=pattern, remat=remat,
-                       reverse=reverse, name="h").fold(x)
-
-
-def example_input(args) -> jax.Array:
-  return jax.random.normal(jax.random.PRNGKey(1), (args.batch, args.seq_len, args.width))
-
-
-def random_params(model, *args, seed: int = 0):
-  """Parameters shaped by ``model.init`` (traced, never compiled): normal,
-  scale 0.2. A real init compiles slower than the step it feeds."""
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)
-  rng = np.random.default_rng(seed)   # numpy: no op-by-op compiles
-  return jax.tree.map(lambda s: (0.2 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
-
-
-def grad_step(apply):
-  return jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(3.0 * apply(p, x))), argnums=(0, 1))
 
 
 # ---------------------------------------------------------------------------
 # 1. Values and gradients.
 
 
-def reference(args, params, x, pattern: str, n: int, reverse: bool):
-  """The stack as a Python loop: layer i applies its kind's block, alone in
-  a plain ``hk.transform``, to its own slice of the kind's parameters."""
-  blocks = {k: hk.without_apply_rng(hk.transform(lambda x, f=f: f()(x)))
-            for k, f in factories(args).items()}
-  ranks, seen = [], {}
-  for i in range(n):
-    kind = pattern[i % len(pattern)]
-    ranks.append(seen.get(kind, 0))
-    seen[kind] = ranks[-1] + 1
-  for i in (reversed(range(n)) if reverse else range(n)):
-    kind = pattern[i % len(pattern)]
-    scope = f"h/{kind}/"
-    layer = {key[len(scope):]: {name: v[ranks[i]] for name, v in bundle.items()}
-             for key, bundle in params.items() if key.startswith(scope)}
-    x = blocks[kind].apply(layer, x)
-  return x
-
-
-def max_rel_error(actual, expected) -> float:
-  """``max |a - e| / (rtol + |e|)``: at most 1 passes ``assert_allclose(a, e,
-  rtol, atol=rtol)``. In numpy: no op-by-op compiles."""
-  def error(a, e):
-    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-    return float(np.max(np.abs(a - e) / (RTOL + np.abs(e))))
-  return max(jax.tree.leaves(jax.tree.map(error, actual, expected)))
-
-
 def verify_case(args, pattern, n, remat, reverse) -> dict[str, Any]:
-  stacked = hk.without_apply_rng(hk.transform(stack_fn(args, "pattern", pattern, n, remat, reverse)))
-  seq = hk.without_apply_rng(hk.transform(stack_fn(args, "blockseq", pattern, n, remat, reverse)))
-  x = example_input(args)
-  params = random_params(stacked, x)
+  """One case of question 1: the stack and its BlockSeq twin against the loop."""
+  stacked = pattern_stacks.transformed(args, "pattern", pattern, n, remat, reverse)
+  seq = pattern_stacks.transformed(args, "blockseq", pattern, n, remat, reverse)
+  x = pattern_stacks.example_input(args)
+  params = models.normal_params(stacked, x)
+  grad_step = pattern_stacks.grad_step
 
   def all_three(params, x):
-    ref = grad_step(lambda p, x: reference(args, p, x, pattern, n, reverse))(params, x)
+    ref = grad_step(lambda p, x: pattern_stacks.reference(args, p, x, pattern, n, reverse))(
+        params, x)
     out = grad_step(stacked.apply)(params, x)
     (value, (g_seq, gx)) = grad_step(seq.apply)(
         st.unstack_params(params, "h", pattern=pattern), x)
@@ -162,8 +81,8 @@ def verify_case(args, pattern, n, remat, reverse) -> dict[str, Any]:
   ref, out, out_seq = jax.jit(all_three).lower(params, x).compile(
       fast_compile.CODEGEN)(params, x)
   return {"pattern": pattern, "num_layers": n, "remat": harness_remat(remat),
-          "reverse": reverse, "vs_loop": max_rel_error(out, ref),
-          "blockseq_vs_loop": max_rel_error(out_seq, ref)}
+          "reverse": reverse, "vs_loop": instruments.max_error_over_rtol(out, ref, RTOL),
+          "blockseq_vs_loop": instruments.max_error_over_rtol(out_seq, ref, RTOL)}
 
 
 def harness_remat(remat) -> str:
@@ -182,11 +101,11 @@ def verify_gpt(args) -> list[dict[str, Any]]:
     cfg = model_config.GPTConfig(vocab_size=32, seq_len=16, num_layers=6, num_heads=2, d_model=16,
                                  pattern="LLLG", window=4, remat=remat)
     model = hk.without_apply_rng(hk.transform(lambda t, cfg=cfg: gpt.loss_fn(cfg, t)[0]))
-    params = random_params(model, tokens)
+    params = models.normal_params(model, tokens)
     out = jax.jit(jax.value_and_grad(model.apply)).lower(params, tokens).compile(
         fast_compile.CODEGEN)(params, tokens)
     base = out if base is None else base
-    rows.append({"remat": remat, "vs_none": max_rel_error(out, base)})
+    rows.append({"remat": remat, "vs_none": instruments.max_error_over_rtol(out, base, RTOL)})
     harness.log(f"gpt --pattern=LLLG --remat={remat}: max error {rows[-1]['vs_none']:.2g} x rtol")
   return rows
 
@@ -195,19 +114,12 @@ def verify_gpt(args) -> list[dict[str, Any]]:
 # 2. and 3. Compile time and memory against depth.
 
 
-def lowered(args, impl: str, n: int, remat: str):
-  model = hk.without_apply_rng(hk.transform(stack_fn(args, impl, P51, n, remat)))
-  x = example_input(args)
-  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
-  return jax.jit(grad_step(model.apply)).lower(params, x)
-
-
 def compile_seconds(args, impl: str, n: int) -> dict[str, float]:
   """Seconds to trace and compile a fresh step, and the size of the program
   (lines of StableHLO, instructions after XLA's optimisation): sizes do not
   depend on the machine's load."""
   (w0, c0) = instruments.clocks()
-  low = lowered(args, impl, n, "full")
+  low = pattern_stacks.lowered(args, impl, n, "full")
   (w1, c1) = instruments.clocks()
   compiled = low.compile(fast_compile.CODEGEN if args.quick else None)
   (w2, c2) = instruments.clocks()
@@ -221,7 +133,7 @@ def measure_compile(args) -> list[dict[str, Any]]:
     compile_seconds(args, "pattern", args.depths[0])   # warm-up, untimed
   runs: dict[tuple[str, int], list[dict[str, float]]] = {}
   for repeat in range(args.repeats):
-    plan = [(impl, n) for n in args.depths for impl in CONTENDERS
+    plan = [(impl, n) for n in args.depths for impl in pattern_stacks.CONTENDERS
             if impl != "blockseq" or (n in args.blockseq_depths
                                       and repeat < args.blockseq_repeats)]
     for impl, n in (plan if repeat % 2 == 0 else plan[::-1]):
@@ -238,7 +150,8 @@ def measure_memory(args) -> list[dict[str, Any]]:
   for impl in ("pattern", "one_block"):
     for remat in args.memory_remats:
       for n in args.depths:
-        temp = instruments.temp_bytes(lowered(args, impl, n, remat), fast_compile.CODEGEN)
+        temp = instruments.temp_bytes(pattern_stacks.lowered(args, impl, n, remat),
+                                      fast_compile.CODEGEN)
         rows.append({"impl": impl, "remat": remat, "num_layers": n, "temp_bytes": temp})
         harness.log(f"memory {impl:9s} remat={remat:4s} L={n:<3d}: {temp / 2**20:.2f} MiB")
   return rows
@@ -286,7 +199,7 @@ def summarise(payload: dict[str, Any], args) -> dict[str, Any]:
     t = {(r["impl"], r["num_layers"]): r[key] for r in rows}
     ratio = t[("pattern", hi)] / t[("pattern", lo)]
     out[f"compile_{clock}"] = {
-        "what": f"pattern={P51} at L={hi} over L={lo} (trace + compile)",
+        "what": f"pattern={pattern_stacks.P51} at L={hi} over L={lo} (trace + compile)",
         "ratio": ratio, "target": args.flat_target, "met": ratio <= args.flat_target,
         "hlo_instructions": {r["num_layers"]: r["hlo_instructions"] for r in rows
                              if r["impl"] == "pattern"},
@@ -325,7 +238,7 @@ def markdown(payload: dict[str, Any]) -> str:
       f"| compile, {c['what']} (CPU s) | {c['ratio']:.2f}x (target <= {c['target']}): "
       f"{'met' if c['met'] else 'NOT met'}; one block {c['one_block_ratio']:.2f}x |",
       f"| compile, same (wall s) | {s['compile_wall']['ratio']:.2f}x |",
-      f"| compiled program of pattern={P51}, by depth | "
+      f"| compiled program of pattern={pattern_stacks.P51}, by depth | "
       + ", ".join(f"L={n}: {k} HLO instructions" for n, k in c["hlo_instructions"].items())
       + " |",
       f"| temp memory per layer, remat=full | {m['pattern_carries_per_layer']:.3f} carries "
@@ -337,7 +250,7 @@ def markdown(payload: dict[str, Any]) -> str:
   depths = sorted({r["num_layers"] for r in rows})
   lines += ["", "| trace + compile, CPU s | " + " | ".join(f"L={d}" for d in depths) + " |",
             "|---|" + "---:|" * len(depths)]
-  for impl, label in CONTENDERS.items():
+  for impl, label in pattern_stacks.CONTENDERS.items():
     t = {r["num_layers"]: r["cpu_total_s"] for r in rows if r["impl"] == impl}
     lines.append(f"| {label} | " + " | ".join(f"{t[d]:.2f}" if d in t else "" for d in depths)
                  + " |")
@@ -348,15 +261,14 @@ def draw(payload: dict[str, Any]):
   def fig_fn(plt):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     ax = axes[0]
-    for impl, label in CONTENDERS.items():
+    for impl, label in pattern_stacks.CONTENDERS.items():
       pts = sorted((r["num_layers"], r["cpu_total_s"]) for r in payload["compile"]
                    if r["impl"] == impl)
       ax.plot(*zip(*pts), marker="o", label=label)
     report.depth_axis(ax, [r["num_layers"] for r in payload["compile"]])
     ax.set_ylabel("trace + compile of a gradient step (CPU s)")
     ax.set_title("Compile time vs depth (remat=full)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    report.finish(ax, log_y=True)
     ax = axes[1]
     for impl in ("pattern", "one_block"):
       for remat, style in (("full", "-"), ("none", "--")):
@@ -365,11 +277,11 @@ def draw(payload: dict[str, Any]):
         pts = sorted((r["num_layers"], r["temp_bytes"] / 2**20) for r in payload["memory"]
                      if r["impl"] == impl and r["remat"] == remat)
         ax.plot(*zip(*pts), linestyle=style, marker="o",
-                label=f"{CONTENDERS[impl]}, remat={remat}")
+                label=f"{pattern_stacks.CONTENDERS[impl]}, remat={remat}")
     report.depth_axis(ax, [r["num_layers"] for r in payload["memory"]])
     ax.set_ylabel("compiled temp memory (MiB)")
     ax.set_title("Memory of a gradient step vs depth")
-    ax.legend(fontsize=8)
+    report.finish(ax)
     ax = axes[2]
     kv = payload["kv_cache"]
     lens = [r["seq_len"] for r in kv]
@@ -377,13 +289,10 @@ def draw(payload: dict[str, Any]):
     ax.plot(lens, [r["pattern_LLLG_bytes"] / 2**20 for r in kv], marker="o",
             label="--pattern=LLLG --window=32")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xlabel("sequence length")
     ax.set_ylabel("KV cache, batch 1 (MiB)")
     ax.set_title(f"GPT example KV cache ({payload['config']['kv_layers']} layers, d=128)")
-    ax.legend(fontsize=8)
-    for a in axes:
-      a.grid(True, which="both", alpha=0.3)
+    report.finish(ax, log_y=True)
     return fig
   return fig_fn
 

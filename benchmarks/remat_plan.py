@@ -27,12 +27,13 @@ For a gradient step of the benchmark GPT block stacked L times with
   python -m benchmarks.remat_plan --quick      # seconds (the smoke test)
   python -m benchmarks.remat_plan --depths 16 --rounds 5 --only none full nested
 
-Writes ``benchmarks/results/remat_plan.json`` and ``remat_plan.png``.
+Writes ``benchmarks/results/remat_plan.json`` and ``remat_plan.png``; the
+page's tables and figure are drawn by ``benchmarks/common/remat_plan_page.py``.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import tempfile
 import time
 from typing import Any, Optional
@@ -46,6 +47,7 @@ import stacktools as st
 from benchmarks.common import harness
 from benchmarks.common import instruments
 from benchmarks.common import models
+from benchmarks.common import remat_plan_page
 
 NAME = "remat_plan"
 MiB = 2 ** 20
@@ -56,11 +58,11 @@ TARGET = 1.05
 #: Fresh plannings per budget, each followed by a compile of the step under
 #: its plan (the fastest of each counts).
 PLAN_ROUNDS = 2
-KINDS = ("alias", "named", "mix none/full", "mix full/nested")
 
 
 def kind_of(label: str) -> str:
-  """Which family a candidate label belongs to (for the plot and tables)."""
+  """Which family a candidate label belongs to (for the plot and tables: a
+  key of ``remat_plan_page.COLORS``)."""
   if label.startswith("save:"):
     return "named"
   if label.startswith("none:"):
@@ -78,63 +80,16 @@ def gradient_step(cfg: models.ModelConfig, num_layers: int, remat: Any):
   return model, jax.value_and_grad(model.apply)
 
 
-def numpy_params(model: hk.Transformed, x: jax.Array, seed: int = 0):
-  """Parameters of the right shapes, drawn in numpy: nothing compiles.
-
-  As ``contenders.Contender.synthetic_params``: LayerNorm scales ones,
-  offsets and biases zeros, weights ``normal / sqrt(fan_in)``.
-  """
-  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    last = jax.tree_util.keystr(path[-1:])
-    if "scale" in last:
-      return jnp.ones(leaf.shape, leaf.dtype)
-    if "offset" in last or "'b'" in last:
-      return jnp.zeros(leaf.shape, leaf.dtype)
-    fan_in = leaf.shape[-2] if len(leaf.shape) >= 2 else 1
-    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, abstract)
-
-
-def load() -> list[float]:
-  """The 1, 5 and 15 minute load averages (the machine is shared)."""
-  try:
-    return [round(v, 2) for v in os.getloadavg()]
-  except OSError:
-    return []
-
-
-def retime(compiled: dict[str, Any], params, x, rounds: int, warmup_rounds: int):
-  """Wall and CPU seconds per step of every candidate, interleaved in rounds."""
-  names = list(compiled)
-  wall = {n: [] for n in names}
-  cpu = {n: [] for n in names}
-  for r in range(-warmup_rounds, rounds):
-    for name in (names if r % 2 == 0 else names[::-1]):
-      (w0, c0) = instruments.clocks()
-      instruments.block(compiled[name](params, x))
-      (w1, c1) = instruments.clocks()
-      if r >= 0:
-        wall[name].append(w1 - w0)
-        cpu[name].append(c1 - c0)
-    if r >= 0:
-      fastest = min(names, key=lambda n: wall[n][-1])
-      harness.log(f"  round {r}: fastest {fastest} {wall[fastest][-1] * 1e3:.0f} ms, "
-                  f"load {load()[:1]}")
-  return wall, cpu
+def log_round(r: int, wall: dict[str, list[float]]) -> None:
+  """One line per re-timing round: its fastest step, and the machine's load."""
+  fastest = min(wall, key=lambda n: wall[n][-1])
+  harness.log(f"  round {r}: fastest {fastest} {wall[fastest][-1] * 1e3:.0f} ms, "
+              f"load {instruments.load_average()[:1]}")
 
 
 def copy_name(label: str) -> str:
   """The name of ``label``'s step compiled under a plan, timed beside it."""
   return f"{label} [under the plan]"
-
-
-def round_ratio(a: list[float], b: list[float]) -> float:
-  """The median over rounds of ``a[r] / b[r]``."""
-  return float(np.median(np.asarray(a) / np.asarray(b)))
 
 
 def paired_max(chosen: np.ndarray, others: np.ndarray) -> np.ndarray:
@@ -158,7 +113,7 @@ def judge(budget: int, chosen: str, temp: dict[str, int], wall, cpu,
   out: dict[str, Any] = {"fitting": fitting}
   rng = np.random.default_rng(0)
   for times, suffix in ((wall, ""), (cpu, "_cpu")):
-    paired = {n: round_ratio(times[chosen], times[n]) for n in fitting}
+    paired = {n: instruments.paired_ratio(times[chosen], times[n]) for n in fitting}
     fastest = max(paired, key=paired.get)
     med = {n: instruments.median(times[n]) for n in fitting}
     rounds = len(times[chosen])
@@ -200,10 +155,10 @@ def plan_afresh(step, params, x, budget: int, only) -> dict[str, Any]:
 
 def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
   """Compile all, predict, plan under every budget, re-time, check: one depth."""
-  harness.log(f"L={num_layers}: load {load()}")
+  harness.log(f"L={num_layers}: load {instruments.load_average()}")
   x = models.example_input(cfg)
   auto_model, auto_step = gradient_step(cfg, num_layers, "auto")
-  params = numpy_params(auto_model, x)
+  params = models.fan_in_params(auto_model, x)
 
   start = time.perf_counter()
   predicted = st.remat_report(auto_step, params, x, only=args.only)
@@ -276,13 +231,15 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
 
   harness.log(f"L={num_layers}: re-timing {len(compiled)} candidates and "
               f"{len(copies)} compiled under a plan, {args.rounds} rounds")
-  wall, cpu = retime({**compiled, **copies}, params, x, args.rounds, args.warmup_rounds)
+  wall, cpu = instruments.alternating_rounds(
+      {n: functools.partial(step, params, x) for n, step in {**compiled, **copies}.items()},
+      args.rounds, args.warmup_rounds, after_round=log_round)
   for entry in budgets:
     entry.update(judge(entry["budget_bytes"], entry["chosen"], temp, wall, cpu,
                        copy_name(entry["chosen"])))
   # Identical programs: the chosen candidate compiled explicitly and under the plan.
-  controls = {n: {"ratio": round_ratio(wall[n], wall[copy_name(n)]),
-                  "ratio_cpu": round_ratio(cpu[n], cpu[copy_name(n)]),
+  controls = {n: {"ratio": instruments.paired_ratio(wall[n], wall[copy_name(n)]),
+                  "ratio_cpu": instruments.paired_ratio(cpu[n], cpu[copy_name(n)]),
                   "median_s": instruments.median(wall[copy_name(n)])}
               for n in plan_compiles}
 
@@ -316,7 +273,7 @@ def run_depth(args, cfg: models.ModelConfig, num_layers: int) -> dict[str, Any]:
                                                for b in budgets),
           "max_temp_error": max(abs(c["temp_error"]) for c in candidates),
       },
-      "load": load(),
+      "load": instruments.load_average(),
   }
 
 
@@ -356,161 +313,6 @@ def summarise(depths: list[dict[str, Any]]) -> dict[str, Any]:
   }
 
 
-def markdown(payload: dict[str, Any]) -> str:
-  lines = []
-  for depth in payload["depths"]:
-    n, p = depth["num_layers"], depth["planning"]
-    by = {c["label"]: c for c in depth["candidates"]}
-    lines.append(f"**L={n}**: full {depth['temp_full_bytes'] / MiB:.1f} MiB, none "
-                 f"{depth['temp_none_bytes'] / MiB:.1f} MiB; {len(by)} candidates; one "
-                 f"compile {p['one_compile_seconds']:.2f} s (the median candidate's)")
-    lines.append("")
-    lines.append("| budget | planning s (x one compile; x the compile beside it) "
-                 "| compiles | chosen plan (every round) | temp MiB "
-                 "| step ms | fastest fitting (ms) | ratio: wall | cpu "
-                 "| same program under the plan: wall | cpu | remembered: s, same plan |")
-    lines.append("|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|")
-    for b in depth["budgets"]:
-      ratio, ratio_cpu = (_ratio_cell(b["ratio"], b["ratio_ci95"]),
-                          _ratio_cell(b["ratio_cpu"], b["ratio_cpu_ci95"]))
-      planning = (f"{b['planning_seconds']:.1f} ({b['planning_over_one_compile']:.2f}x; "
-                  f"{b['planning_over_compile_beside']:.2f}x)")
-      if b["planning_over_one_compile"] > 3:
-        planning = f"**{planning}**"
-      chosen = b["chosen"] if b["same_plan_every_round"] else (
-          ", ".join(r["label"] for r in b["rounds"]))
-      lines.append(
-          f"| {b['fraction']:.0%}: {b['budget_bytes'] / MiB:.1f} MiB | {planning} "
-          f"| {b['compiles']} | {chosen} "
-          f"| {b['chosen_temp_bytes'] / MiB:.1f} | {b['chosen_s'] * 1e3:.0f} "
-          f"| {b['fastest_fitting']} ({b['fastest_fitting_s'] * 1e3:.0f}) | {ratio} "
-          f"| {ratio_cpu} | {b['copy_ratio']:.3f} | {b['copy_ratio_cpu']:.3f} "
-          f"| {b['reuse_seconds']:.2f}, {'yes' if b['reused_same_plan'] else 'NO'} |")
-    lines.append("")
-    lines.append("| candidate | predicted temp MiB | compiled temp MiB | error | saved MiB "
-                 "| GFLOPs | step ms | compile s |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for c in sorted(depth["candidates"], key=lambda c: c["temp_bytes"]):
-      lines.append(
-          f"| {c['label']} | {c['predicted_temp_bytes'] / MiB:.2f} "
-          f"| {c['temp_bytes'] / MiB:.2f} | {100 * c['temp_error']:+.1f}% "
-          f"| {c['saved_bytes'] / MiB:.2f} | {c['flops'] / 1e9:.2f} "
-          f"| {c['median_s'] * 1e3:.0f} | {c['compile_s']:.2f} |")
-    lines.append("")
-    pairs = ", ".join(f"{n}: wall {c['ratio']:.3f}, cpu {c['ratio_cpu']:.3f}"
-                      for n, c in depth["identical_programs"].items())
-    lines.append(f"Noise: the chosen step, compiled explicitly over compiled under the plan "
-                 f"(the same program), median of the per-round ratios: {pairs}.")
-    lines.append("")
-  lines.append(f"Ratio: the median over {payload['config']['rounds']} rounds of the chosen "
-               "plan's step time over the fastest fitting candidate's in the same round "
-               "(fastest: the one this ratio is largest against; on the CPU clock it can "
-               "be another), [its bootstrap 95% interval]; **bold**: above "
-               f"{TARGET} (or planning above 3x one compile). *Same program under the "
-               "plan*: the same statistic for the chosen plan's step compiled under the "
-               "plan (an identical program, timed beside it): what noise alone gives. "
-               "*Planning*: the faster of two fresh st.plan_remat calls, over one "
-               "compile (the median candidate's) and over the faster of the two "
-               "compiles of the step under the plan right after each; *every round*: "
-               "the plans the two calls chose, where they differ. *Remembered*: "
-               "st.plan_remat called again with the same cache folder.")
-  return "\n".join(lines)
-
-
-def _ratio_cell(ratio: float, ci95: list[float]) -> str:
-  text = f"{ratio:.3f} [{ci95[0]:.3f}, {ci95[1]:.3f}]"
-  return text if ratio <= TARGET else f"**{text}**"
-
-
-COLORS = {"alias": "tab:blue", "named": "tab:green", "mix none/full": "tab:red",
-          "mix full/nested": "tab:purple"}
-
-
-def _frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-  """The lowest y reachable with at most x: a step line through the points."""
-  out, best = [], float("inf")
-  for x, y in sorted(points):
-    if y < best:
-      if out:
-        out.append((x, best))
-      out.append((x, y))
-      best = y
-  return out
-
-
-def draw(payload: dict[str, Any]):
-  depths = payload["depths"]
-
-  def fig_fn(plt):
-    fig, axes = plt.subplots(2, len(depths), figsize=(7.5 * len(depths), 11.5),
-                             squeeze=False)
-    handles = {}
-    for col, depth in enumerate(depths):
-      cands = depth["candidates"]
-      mem = {c["label"]: c["temp_bytes"] / MiB for c in cands}
-      for row, (key, ylabel, choose) in enumerate((
-          ("wall_s", "step time: median over the interleaved rounds, bars p25-p75 (ms)",
-           "chosen"),
-          ("predicted", "temp memory predicted from one trace (MiB); gray: equal",
-           "chosen"))):
-        ax = axes[row][col]
-        if key == "wall_s":
-          value = {c["label"]: 1e3 * c["median_s"] for c in cands}
-          spread = {c["label"]: 1e3 * np.percentile(c["wall_s"], [25, 75]) for c in cands}
-        else:
-          value = {c["label"]: c["predicted_temp_bytes"] / MiB for c in cands}
-          spread = None
-        for kind in KINDS:
-          names = [c["label"] for c in cands if c["kind"] == kind]
-          if not names:
-            continue
-          xs, ys = [mem[n] for n in names], [value[n] for n in names]
-          if spread:
-            err = np.array([[value[n] - spread[n][0], spread[n][1] - value[n]]
-                            for n in names]).T
-            ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor=COLORS[kind], alpha=0.4,
-                        zorder=2)
-          handles[kind] = ax.scatter(xs, ys, color=COLORS[kind], s=30, zorder=3)
-        for n in mem:
-          ax.annotate(n, (mem[n], value[n]), fontsize=6, xytext=(4, -8),
-                      textcoords="offset points", alpha=0.8)
-        if key == "wall_s":
-          front = _frontier(list(zip(mem.values(), value.values())))
-          (handles["frontier: the best with at most this memory"],) = ax.plot(
-              *zip(*front), "-", color="gray", alpha=0.5, zorder=1)
-        else:
-          span = [min(mem.values()), max(mem.values())]
-          ax.plot(span, span, "-", color="gray", alpha=0.5, zorder=1)
-          ax.set_yscale("log")
-        rings: dict[str, list[str]] = {}
-        for i, b in enumerate(depth["budgets"]):
-          color = f"C{i + 4}"
-          handles[f"budget at {b['fraction']:.0%} of the way from full to none"] = (
-              ax.axvline(b["budget_bytes"] / MiB, color=color, linestyle="--",
-                         linewidth=1))
-          ax.scatter([mem[b[choose]]], [value[b[choose]]], s=150 + 110 * i,
-                     facecolors="none", edgecolors=color, linewidths=1.5, zorder=4)
-          rings.setdefault(b[choose], []).append(f"{b['fraction']:.0%}")
-        for n, fractions in rings.items():
-          ax.annotate("chosen at " + ", ".join(fractions), (mem[n], value[n]),
-                      fontsize=7, fontweight="bold", xytext=(8, 8),
-                      textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("compiled temp memory of one gradient step (MiB)")
-        ax.set_ylabel(ylabel, fontsize=8)
-        what = ("rings: chosen by st.plan_remat" if row == 0
-                else "the cost model against the compiler")
-        ax.set_title(f"{payload['config']['model_config']['kind']} "
-                     f"L={depth['num_layers']}: every candidate; {what}", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-    # Below the bottom-left panel: tight_layout makes room for an axes' legend.
-    axes[-1][0].legend(list(handles.values()), list(handles), loc="upper left",
-                       bbox_to_anchor=(0.0, -0.13), ncol=3, fontsize=8, frameon=False)
-    return fig
-
-  return fig_fn
-
-
 def build_parser():
   p = harness.parser(__doc__)
   p.add_argument("--depths", type=harness.int_list, default=[32, 64])
@@ -542,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     raise SystemExit("--only must include none and full: they set the budgets.")
   cfg = models.model_config(args)
   start = time.perf_counter()
-  load_before = load()
+  load_before = instruments.load_average()
   depths = [run_depth(args, cfg, n) for n in args.depths]
   payload = {
       "question": __doc__.strip().splitlines()[0],
@@ -563,10 +365,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "depths": depths,
       "summary": summarise(depths),
       "load_before": load_before,
-      "load_after": load(),
+      "load_after": instruments.load_average(),
       "seconds": time.perf_counter() - start,
   }
-  return harness.publish(args, NAME, payload, markdown, draw)
+  return harness.publish(args, NAME, payload, remat_plan_page.markdown,
+                         remat_plan_page.draw)
 
 
 if __name__ == "__main__":

@@ -30,22 +30,14 @@ imports JAX. Writes ``benchmarks/results/sharding.json`` and ``sharding.png``.
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 
+from benchmarks.common import virtual_devices
+
 NUM_DEVICES = 8
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _force_device_count() -> None:
-  """Asks XLA for 8 CPU devices (only effective before JAX is imported)."""
-  flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
-  os.environ["XLA_FLAGS"] = f"{flags.strip()} {_DEVICE_FLAG}={NUM_DEVICES}".strip()
-
 
 if "jax" not in sys.modules:
-  _force_device_count()
+  virtual_devices.ask_for(NUM_DEVICES)
 
 # pylint: disable=wrong-import-position
 import time
@@ -58,6 +50,7 @@ import optax
 
 from benchmarks.common import harness
 from benchmarks.common import instruments
+from benchmarks.common import meshes
 from examples.gpt import distributed
 from examples.gpt import model as model_lib
 from examples.gpt import model_config
@@ -142,10 +135,6 @@ class Setup:
     }
 
 
-def total_bytes(tree) -> int:
-  return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree)))
-
-
 def markdown(payload: dict[str, Any]) -> str:
   total = payload["total_bytes"]
   lines = [f"Model: {payload['config']['num_params']:,} parameters; "
@@ -209,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   if jax.device_count() < NUM_DEVICES:
     raise SystemExit(
         f"error: benchmarks/sharding.py needs {NUM_DEVICES} devices and JAX has "
-        f"{jax.device_count()}: run it as a script (it sets XLA_FLAGS={_DEVICE_FLAG}="
+        f"{jax.device_count()}: run it as a script (it sets XLA_FLAGS={virtual_devices.FLAG}="
         f"{NUM_DEVICES} before importing JAX), or set that flag yourself.")
   start = time.perf_counter()
   cfg = model_config.GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len,
@@ -232,8 +221,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   reference = Setup(None, train_step, state, tokens)
   reference.run(args.warmup)
   reference_loss = float(reference.loss)
-  totals = {"params": total_bytes(reference.params),
-            "opt_state": total_bytes(reference.opt_state)}
+  totals = {"params": meshes.total_bytes(reference.params),
+            "opt_state": meshes.total_bytes(reference.opt_state)}
   num_params = int(sum(x.size for x in jax.tree_util.tree_leaves(reference.params)))
   harness.log(f"1 device: loss {reference_loss:.6f} after {args.warmup} steps; "
               f"{totals['params'] / 1024:.1f} KiB params, "

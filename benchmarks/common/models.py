@@ -12,7 +12,14 @@
   and the MLP hidden activation ``"mlp_hidden"``.
 
 A :class:`ModelConfig` names one of them and its sizes; :func:`make_block`
-turns it into the block factory ``st.Stacked`` takes.
+turns it into the block factory ``st.Stacked`` takes. :class:`GeluMLPBlock`
+is a cheaper residual MLP whose hidden width a script chooses (two of them
+make a pattern's kinds with parameters of different shapes).
+
+Parameters for a step that is timed or checked, not trained, are drawn in
+numpy from the shapes ``model.init`` traces (:func:`fan_in_params`,
+:func:`normal_params`): no init program compiles, and a real init can take
+longer to compile than the step it feeds.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any, Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import stacktools as st
 
@@ -118,6 +126,20 @@ class ResidualBlock(hk.Module):
     return x + hk.Linear(self.width, name="fc2")(h)
 
 
+class GeluMLPBlock(hk.Module):
+  """``x + W2 gelu(W1 x)`` with a hidden width of ``ratio`` times the carry's;
+  the hidden activation is ``mlp_hidden``."""
+
+  def __init__(self, ratio: int, name: Optional[str] = None):
+    super().__init__(name=name)
+    self.ratio = ratio
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = st.checkpoint_name(jax.nn.gelu(hk.Linear(self.ratio * x.shape[-1], name="fc")(x)),
+                           "mlp_hidden")
+    return x + hk.Linear(x.shape[-1], name="out")(h)
+
+
 class GPTBlock(hk.Module):
   """A pre-LayerNorm transformer block: causal self-attention, then an MLP.
 
@@ -165,3 +187,33 @@ def make_block(cfg: ModelConfig) -> Callable[[], hk.Module]:
 def example_input(cfg: ModelConfig, seed: int = 1) -> jax.Array:
   """A random float32 carry of ``cfg``'s shape, the same for every contender."""
   return jax.random.normal(jax.random.PRNGKey(seed), cfg.carry_shape, jnp.float32)
+
+
+def fan_in_params(model: hk.Transformed, *inputs: Any, seed: int = 0) -> Any:
+  """Parameters of ``model`` for ``inputs``, drawn in numpy: nothing compiles.
+
+  As ``contenders.Contender.synthetic_params``: LayerNorm scales ones,
+  offsets and biases zeros, weights ``normal / sqrt(fan_in)``.
+  """
+  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    last = jax.tree_util.keystr(path[-1:])
+    if "scale" in last:
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if "offset" in last or "'b'" in last:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    fan_in = leaf.shape[-2] if len(leaf.shape) >= 2 else 1
+    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(fan_in), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def normal_params(model: hk.Transformed, *inputs: Any, scale: float = 0.2,
+                  seed: int = 0) -> Any:
+  """Parameters of ``model`` for ``inputs``, every leaf ``scale`` times a
+  standard normal, drawn in numpy (as numpy arrays): nothing compiles."""
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: (scale * rng.standard_normal(s.shape)).astype(s.dtype), shapes)

@@ -5,7 +5,9 @@ and draws one figure; the pieces they share live here:
 
 * :func:`row` and :func:`table`: a Markdown row, and a table (its header,
   the rule that aligns its columns, its rows);
-* :func:`depth_axis`: a log2 x axis labelled "layers L";
+* :func:`log2_axis`: a log2 x axis ticked at the measured values, and
+  :func:`depth_axis`, that axis labelled "layers L";
+* :func:`frontier`: the best value reachable within each cost, as a step line;
 * :func:`finish`: the grid, the legend and a log y axis, as most panels have
   them.
 
@@ -39,13 +41,31 @@ def table(header: Sequence[Any], rows: Iterable[Sequence[Any]] = (),
   return [row(*header), rule(align)] + [row(*cells) for cells in rows]
 
 
+def log2_axis(ax: Any, values: Iterable[int], label: str) -> None:
+  """A log2 x axis labelled ``label``, ticked at the measured ``values``."""
+  values = sorted(set(values))
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(values, [str(v) for v in values])
+  ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+  ax.set_xlabel(label)
+
+
 def depth_axis(ax: Any, depths: Iterable[int]) -> None:
   """A log2 x axis labelled "layers L", ticked at the measured depths."""
-  depths = sorted(set(depths))
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(depths, [str(d) for d in depths])
-  ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-  ax.set_xlabel("layers L")
+  log2_axis(ax, depths, "layers L")
+
+
+def frontier(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The lowest y reachable with at most x: the corners of a step line
+  through ``(x, y)`` points (a cost and what it buys, lower is better)."""
+  out, best = [], float("inf")
+  for x, y in sorted(points):
+    if y < best:
+      if out:
+        out.append((x, best))
+      out.append((x, y))
+      best = y
+  return out
 
 
 def finish(ax: Any, *, log_y: bool = False, legend: Optional[int] = 8,

@@ -677,7 +677,8 @@ def test_shared_modules_import_one_way():
   for path in common:
     imported = _benchmark_imports(f"common/{path.name}")
     assert all(name.startswith("common.") for name in imported), (path.name, imported)
-  for name in ("harness", "fast_compile", "instruments", "models", "report"):
+  for name in ("harness", "fast_compile", "instruments", "models", "report",
+               "virtual_devices", "meshes", "collectives"):
     assert _benchmark_imports(f"common/{name}.py") == set(), name
   assert _benchmark_imports("common/contenders.py") == {"common.models"}
 

@@ -9,8 +9,8 @@ Checked against the source of ``stacktools/`` itself (not a picture of it):
   says in its docstring what it holds; a subpackage's face also says which
   other subpackages its rooms may import (``May import:``);
 * no module over :data:`MAX_LINES` lines, in ``examples/`` and ``benchmarks/``
-  too (but the scripts :data:`BENCHMARKS_OVER` has yet to split), and no
-  benchmark edits ``sys.path`` (they run as ``python -m benchmarks.<name>``);
+  too, and no benchmark edits ``sys.path`` (they run as ``python -m
+  benchmarks.<name>``);
 * no function over :data:`MAX_FUNCTION_LINES` lines without a docstring;
 * no circle among the modules' imports, and none among the subpackages';
   a room imports from another subpackage only what that face allows;
@@ -178,9 +178,6 @@ def test_an_example_module_is_a_small_room(path):
 
 
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
-#: Benchmark scripts still over MAX_LINES, each to split into scripts of one
-#: question (issue 53): the list only shrinks.
-BENCHMARKS_OVER = ("mixed_layers.py", "pipeline.py", "remat_plan.py")
 
 
 def _benchmark_files():
@@ -201,9 +198,6 @@ def test_a_benchmark_module_is_a_small_room(path):
       f"benchmarks/{path} edits sys.path: run it as python -m benchmarks.<name> "
       "from the repository root instead.")
   lines = len(source.splitlines())
-  if path in BENCHMARKS_OVER:
-    assert lines > MAX_LINES, f"benchmarks/{path} fits now: drop it from BENCHMARKS_OVER"
-    return
   assert lines <= MAX_LINES, (
       f"benchmarks/{path} has {lines} lines, over {MAX_LINES}: split it into "
       "scripts of one question each, what they share in benchmarks/common/.")
