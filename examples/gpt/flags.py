@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 from typing import Any, Callable, Optional
 
 from absl import flags
 
 import stacktools as st
 from examples.gpt import distributed
+from examples.gpt import flag_help
 from examples.gpt import init_from
 from examples.gpt import lora
 from examples.gpt import model_config
@@ -36,20 +35,8 @@ from examples.gpt.run_config import DEFAULT_WINDOW
 from examples.gpt.run_config import TrainConfig
 
 
-def _help_owner(binary: str) -> Optional[str]:
-  """The module absl files these flags under: ``sys.argv[0]`` while ``binary``
-  (a file beside this one) runs as the program, so that its --helpshort and
-  --helpfull list them as its own, as when it defined them itself; else None
-  (absl's default: this module)."""
-  main = getattr(sys.modules.get("__main__"), "__file__", None)
-  here = os.path.dirname(os.path.abspath(__file__))
-  if main and os.path.abspath(main) == os.path.join(here, binary):
-    return sys.argv[0]
-  return None
-
-
 #: Where absl files the flags: train.py's own help, when it is the program.
-_OWNER = dict(module_name=_help_owner("train.py"))
+_OWNER = dict(module_name=flag_help.help_owner("train.py"))
 
 
 def drop_test_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:

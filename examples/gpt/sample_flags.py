@@ -14,31 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
-from typing import Optional
 
 from absl import flags
 
+from examples.gpt import flag_help
 from examples.gpt import model_config
 from examples.gpt.run_config import SampleConfig
 
 
-def _help_owner(binary: str) -> Optional[str]:
-  """The module absl files these flags under: ``sys.argv[0]`` while ``binary``
-  (a file beside this one) runs as the program, so that its --helpshort and
-  --helpfull list them as its own, as when it defined them itself; else None
-  (absl's default: this module)."""
-  main = getattr(sys.modules.get("__main__"), "__file__", None)
-  here = os.path.dirname(os.path.abspath(__file__))
-  if main and os.path.abspath(main) == os.path.join(here, binary):
-    return sys.argv[0]
-  return None
-
-
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   """Defines sample.py's flags in ``flag_values`` (absl's own: once per process)."""
-  fv = dict(flag_values=flag_values, module_name=_help_owner("sample.py"))
+  fv = dict(flag_values=flag_values, module_name=flag_help.help_owner("sample.py"))
   if fv["module_name"] is not None:
     # Haiku's import of haiku.testing defines absltest's flags (--test_tmpdir,
     # ...) in every process: sample.py's --helpfull lists only its own.
