@@ -8,7 +8,7 @@ module runs last, its subprocesses at the lowest priority, on the CPU the
 other tests leave idle):
 
 * three single-process drivers (``gpt_driver.drive``: ``train.train`` in-process,
-  XLA's cheap LLVM settings, a private compilation
+  XLA's cheap LLVM settings, the run's compilation
   cache) on 1 device (the reference), on 4 devices (``data:2,fsdp:2``, the
   reference of the two-process runs) and on 8 devices (meshes ``data:8``,
   ``data:4,fsdp:2`` and ``fsdp:8``; then ``--resume`` of the

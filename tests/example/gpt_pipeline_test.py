@@ -6,7 +6,7 @@ devices), and all of them start together in the background when the tests
 are collected:
 
 * four drivers (``gpt_driver.drive``: ``train.train`` in-process, one
-  interpreter for several runs, a private compilation cache):
+  interpreter for several runs, the run's compilation cache):
   on 1 device the plain reference (scan blocks, so that their per-layer
   stats are logged); on 8 devices the start-up errors that need a mesh,
   ``gpipe``, ``1f1b`` and ``zb`` on ``pipe:4,data:2`` with fold blocks, and

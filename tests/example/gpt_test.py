@@ -8,7 +8,7 @@ its subprocesses at the lowest priority, on the CPU the other tests leave
 idle). One interpreter then pays the JAX import for many
 runs, the two drivers use both cores, and the drivers compile with XLA's
 cheap settings (``gpt_driver.xla_env``, which changes how fast the code is
-compiled, not what it computes) and a private persistent compilation cache,
+compiled, not what it computes) and the run's persistent compilation cache,
 without touching the pytest process. The drivers also report whether
 ``import stacktools`` imported TensorFlow or Orbax, and whether the runs
 imported TensorFlow.

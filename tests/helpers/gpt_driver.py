@@ -10,8 +10,9 @@ train ``examples/gpt/train.py`` in subprocesses, and share what is here:
 * a *driver* (:func:`start_driver`): a fresh interpreter that calls
   ``train.train(config, workdir)`` in-process once per spec, with no absl
   flags involved (:func:`drive`), so that one interpreter pays the JAX
-  import for many runs, with a persistent compilation cache of its own, so that runs share
-  the programs they have in common;
+  import for many runs, with the test run's persistent compilation cache
+  (``tests/conftest.py``'s), so that runs, and drivers, share the programs
+  they have in common;
 * readers of what a run leaves in its workdir.
 
 A helper, not a test module: no test module imports another one. It
@@ -104,8 +105,10 @@ def drive(spec_path: str, out_path: str, cache_dir: str, tf_after_import=False) 
 
   Called in a fresh interpreter (see :func:`start_driver`). Programs that
   several runs share (the init, most evaluations, a resumed run's step)
-  compile once, through a persistent compilation cache private to this
-  driver. Per run it records the raised traceback (``error``), the message
+  compile once, through the persistent compilation cache ``cache_dir``
+  (the test run's, which the other drivers and processes of the run
+  share: a program with the same HLO, options and device count compiles
+  once in the run). Per run it records the raised traceback (``error``), the message
   of a run that exits as the binary's start-up errors do (``exit``) and the
   absl log (``log``); and whether the runs imported TensorFlow, beside
   ``tf_after_import``: what ``import stacktools`` imported of TensorFlow
@@ -302,7 +305,11 @@ def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
   Its files go in ``tmp``, named after ``label``. ``plot=False`` blocks
   matplotlib (no loss.png: its import and drawing cost a second of CPU per
   run); ``check_imports`` imports stacktools first and records what that
-  imported of TensorFlow and Orbax.
+  imported of TensorFlow and Orbax. Its compilation cache is the test run's
+  (``JAX_COMPILATION_CACHE_DIR``, which ``tests/conftest.py`` sets; else one
+  of its own in ``tmp``): the tests' drivers build many of the same programs
+  of the tiny model (measured: gpt_dtype, gpt_layers and gpt_depth_test's
+  drivers 12.6 s of CPU less, about 8%).
 
   Returns:
     ``(process, out_path)``: collect the process with ``subprocesses.wait``,
@@ -324,7 +331,8 @@ def start_driver(tmp: str, label: str, specs: list[dict], env: dict, *,
   code += ("sys.path[:0] = sys.argv[1:3]; import gpt_driver; "
            "gpt_driver.drive(*sys.argv[3:6], tf)")
   proc = start([sys.executable, "-c", code, REPO, HELPERS, spec_path, out_path,
-                os.path.join(tmp, f"jax_cache_{label}")],
+                os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                or os.path.join(tmp, f"jax_cache_{label}")],
                env, os.path.join(tmp, f"driver_{label}.log"))
   return proc, out_path
 
