@@ -92,7 +92,10 @@ class Runs:
   def __init__(self, tmp: str):
     self.tmp = tmp
     corpus = gpt.write_corpus(os.path.join(tmp, "text.txt"))
-    self.env = env(os.path.join(tmp, "jax_cache"))
+    # The test run's compilation cache (tests/conftest.py's), where gpt_test's
+    # drivers may have compiled the same programs; else one of its own.
+    self.env = env(os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                   or os.path.join(tmp, "jax_cache"))
     self.export = os.path.join(tmp, "exports", "straight.npz")
     self.flags = lambda name, **extra: gpt.as_args(
         {**FLAGS, "data_path": corpus, "workdir": self.workdir(name), **extra})
