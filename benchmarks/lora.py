@@ -19,7 +19,10 @@ process on the CPU:
    positions, GPT-2's 50257 tokens): AdamW's state of the rank-8 adapters
    against a full fine-tune's, from ``jax.eval_shape`` (nothing allocated).
 4. **Step time.** A LoRA train step against a full fine-tune's, timed in
-   rounds whose order alternates; the ratio of medians.
+   rounds whose order alternates; the ratio of medians. Also at
+   :data:`WIDE` (width 512), where the matmuls rather than the per-op
+   overhead of width 128 take the time (parts 1 and 2 are measured there
+   too).
 5. **Decoding.** A decode step (one token, the in-place KV cache) of 8 rows
    each on its own adapter (an adapter index per row) against 8 rows on one
    adapter; ratio of medians.
@@ -60,6 +63,9 @@ import stacktools as st
 
 NAME = "lora"
 ADAPTERS = 8
+#: Parts 1, 2 and 4 again at a width where a step's time is its matmuls'.
+WIDE = {"full": dict(d_model=512, num_heads=8, seq_len=128, batch_size=8),
+        "quick": dict(d_model=32, num_heads=2, seq_len=16, batch_size=4)}
 GPT2_SMALL = dict(vocab_size=50257, seq_len=1024, num_layers=12, num_heads=12, d_model=768)
 
 
@@ -272,6 +278,10 @@ def markdown(payload: dict[str, Any]) -> str:
       ("optimizer state at GPT-2-small: LoRA / full",
        f"{payload['gpt2_small']['lora_over_full']:.4f}", "<= 0.02"),
       ("step time: LoRA / full fine-tune", f"{s['lora_over_full_step_time']:.3f}", "<= 1.15"),
+      *([(f"  at width {w['size']['d_model']}: step time LoRA / full",
+          f"{w['lora_over_full_step_time']:.3f}", "<= 1.15"),
+         (f"  at width {w['size']['d_model']}: temp LoRA / frozen base",
+          f"{w['lora_over_frozen_temp']:.3f}", "<= 1.05")] if (w := payload.get("wide")) else []),
       ("decode: 8 rows on 8 adapters / on one", f"{payload['decode']['eight_over_one']:.3f}",
        "<= 1.15"),
       ("quality: LoRA gain / full fine-tune gain",
@@ -343,6 +353,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"{steps['memory']['over_base_plus_adapters']:.4f}; temp LoRA/frozen "
               f"{steps['lora_over_frozen_temp']:.3f}; step LoRA/full "
               f"{steps['lora_over_full_step_time']:.3f}")
+  wide_args = type(args)(**{**vars(args), **WIDE["quick" if args.quick else "full"]})
+  wide_tokens = data_lib.BatchSampler(corpus.train, wide_args.batch_size, wide_args.seq_len,
+                                      0).next()
+  wide = measure_steps(wide_args, corpus.vocab_size, wide_tokens)
+  harness.log(f"at width {wide_args.d_model}: temp LoRA/frozen "
+              f"{wide['lora_over_frozen_temp']:.3f}; step LoRA/full "
+              f"{wide['lora_over_full_step_time']:.3f}")
   gpt2 = gpt2_small_optimizer_state(8)
   harness.log(f"GPT-2-small optimizer state LoRA/full: {gpt2['lora_over_full']:.4f}")
   decode = measure_decode(args, corpus.vocab_size)
@@ -354,12 +371,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
       "command": harness.command_line(),
       "quick": args.quick,
       "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
-      "steps": steps, "gpt2_small": gpt2, "decode": decode, "quality": quality,
+      "steps": steps, "wide": {"size": WIDE["quick" if args.quick else "full"], **wide},
+      "gpt2_small": gpt2, "decode": decode, "quality": quality,
       "summary": {
           "params_over_base_plus_adapters": steps["memory"]["over_base_plus_adapters"],
           "train_temp_lora_over_frozen": steps["lora_over_frozen_temp"],
           "optimizer_state_lora_over_full_gpt2_small": gpt2["lora_over_full"],
           "step_time_lora_over_full": steps["lora_over_full_step_time"],
+          "step_time_lora_over_full_wide": wide["lora_over_full_step_time"],
+          "train_temp_lora_over_frozen_wide": wide["lora_over_frozen_temp"],
           "decode_eight_over_one": decode["eight_over_one"],
           "quality_lora_gain_over_full_gain": quality["lora_gain_over_full_gain"],
       },
