@@ -239,8 +239,9 @@ def test_bfloat16_trains_like_float32_with_float32_parameters_and_state(runs):
     floats = {k: a.dtype for k, a in arrays.items() if np.issubdtype(a.dtype, np.floating)}
     assert set(floats.values()) == {F32}, (dtype, floats)
     assert any(k.startswith("opt_state/") for k in floats), floats   # AdamW's moments
-    with np.load(export, allow_pickle=False) as exported:
-      assert {exported[k].dtype for k in exported.files} == {F32}, dtype
+    exported, meta = gpt_driver.load_export(export)
+    assert {a.dtype for a in exported.values()} == {F32}, dtype
+    assert meta["dtype"] == dtype, meta   # sample.py decodes an export in it
   assert abs(valid["bfloat16"] - valid["float32"]) < 0.05, valid
 
 
