@@ -2,40 +2,33 @@ r"""Do low-rank adapters over a stacked GPT cost only their own bytes, train as 
 
 The example's model (``examples/gpt/model.py``) with ``st.adapters.lora`` on
 every linear layer of its blocks (``attn`` and ``mlp``), side by side in one
-process on the CPU:
+process; ``--parts`` picks among:
 
-1. **Memory of the parameters.** The bytes that live on the device for one
-   base and 8 adapters of rank 8 (``st.adapters.stack``, then ``join``:
-   the base is never copied), against the base plus 8 adapters' own bytes,
-   and against 8 merged copies of the model (what an adapter that forces a
-   private copy of the stack costs).
-2. **Train-step memory.** The compiled temp memory
-   (``memory_analysis().temp_size_in_bytes``) of the LoRA train step
-   (gradients of the adapters, AdamW on them, the base an argument) against
-   the *frozen-base* step: the same loss, backward through every layer, the
-   only gradient the token embedding's (no weight gradient in the stack);
-   and the full fine-tune's (every parameter, AdamW).
-3. **Optimizer state at GPT-2-small** (12 layers, width 768, 12 heads, 1024
-   positions, GPT-2's 50257 tokens): AdamW's state of the rank-8 adapters
-   against a full fine-tune's, from ``jax.eval_shape`` (nothing allocated).
-4. **Step time.** A LoRA train step against a full fine-tune's, timed in
-   rounds whose order alternates; the ratio of medians. Also at
-   :data:`WIDE` (width 512), where the matmuls rather than the per-op
-   overhead of width 128 take the time (parts 1 and 2 are measured there
-   too).
-5. **Decoding.** A decode step (one token, the in-place KV cache) of 8 rows
-   each on its own adapter (an adapter index per row) against 8 rows on one
-   adapter; ratio of medians.
-6. **Quality.** A base trained on the example's corpus (standard-library
-   Python) is fine-tuned on another text (this repository's docs, English
-   prose): a full fine-tune and a rank-8 LoRA fine-tune of the same steps,
-   and the validation loss on the new text each reaches; the LoRA's gain
-   over the base as a fraction of the full fine-tune's.
+* ``steps``: **parameter memory**, the bytes on the device of one base and 8
+  rank-8 adapters (``st.adapters.stack``, then ``join``: the base is never
+  copied) against the base plus 8 adapters' own bytes and against 8 merged
+  copies; **train-step memory**, the compiled temp of the LoRA train step
+  (adapters' gradients, AdamW on them) against the *frozen-base* step (the
+  same loss, backward through every layer, only the token embedding's
+  gradient) and the full fine-tune's; **step time**, LoRA against the full
+  fine-tune, rounds in alternating order, the ratio of medians.
+* ``wide``: the same at :data:`WIDE` (width 512), where a step's time is its
+  matmuls' rather than the per-op overhead of width 128.
+* ``gpt2_small``: AdamW's state, rank-8 adapters / a full fine-tune (GPT-2-small).
+* ``decode``: a decode step (one token, the in-place KV cache) of 8 rows each
+  on its own adapter (an index per row) against 8 rows on one adapter.
+* ``quality``: a base trained on the example's corpus (standard-library
+  Python) is fine-tuned on another text (this repository's docs): a full and
+  a rank-8 LoRA fine-tune of the same steps; the LoRA's gain in validation
+  loss on the new text as a fraction of the full fine-tune's.
 
   python -m benchmarks.lora            # a few minutes on 2 CPU cores
   python -m benchmarks.lora --quick    # seconds: the smoke test's mode
+  python -m benchmarks.lora --parts steps,decode --dtype bfloat16 \
+      --num_layers 12 --d_model 768 --num_heads 12 --seq_len 1024 --batch_size 8
 
-Writes ``benchmarks/results/lora.json`` and ``lora.png``.
+Writes ``benchmarks/results/lora.json`` and ``lora.png`` (on an accelerator
+``lora_<device>``: the last command, at GPT-2-small's shape on a TPU).
 """
 
 from __future__ import annotations
@@ -51,9 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.common import device_runs
 from benchmarks.common import harness
 from benchmarks.common import instruments
-from benchmarks.common import report
+from benchmarks.common import lora_page
 from examples.gpt import data as data_lib
 from examples.gpt import decoding
 from examples.gpt import lora as lora_lib
@@ -62,8 +56,9 @@ from examples.gpt import model_config
 import stacktools as st
 
 NAME = "lora"
+PARTS = lora_page.PARTS
 ADAPTERS = 8
-#: Parts 1, 2 and 4 again at a width where a step's time is its matmuls'.
+#: The steps part again at a width where a step's time is its matmuls'.
 WIDE = {"full": dict(d_model=512, num_heads=8, seq_len=128, batch_size=8),
         "quick": dict(d_model=32, num_heads=2, seq_len=16, batch_size=4)}
 GPT2_SMALL = dict(vocab_size=50257, seq_len=1024, num_layers=12, num_heads=12, d_model=768)
@@ -73,7 +68,7 @@ def _cfg(args, vocab_size: int, rank: int = 0, **changes) -> model_config.GPTCon
   return model_config.GPTConfig(
       vocab_size=vocab_size, seq_len=args.seq_len, num_layers=args.num_layers,
       num_heads=args.num_heads, d_model=args.d_model, remat="full", lora_rank=rank,
-      lora_targets="attn,mlp", **changes)
+      lora_targets="attn,mlp", dtype=args.dtype, **changes)
 
 
 def _loss(cfg: model_config.GPTConfig) -> hk.Transformed:
@@ -265,59 +260,6 @@ def measure_quality(args) -> dict[str, Any]:
           "lora_gain_over_full_gain": (start - lora) / (start - full)}
 
 
-def markdown(payload: dict[str, Any]) -> str:
-  s, m = payload["steps"], payload["steps"]["memory"]
-  mib = lambda b: f"{b / 2**20:.2f}"
-  lines = report.table(["measure", "value", "goal"], [
-      ("parameters: base + 8 adapters (MiB)", mib(m["params_with_8_bytes"]), ""),
-      ("  over base + 8 x adapter bytes", f"{m['over_base_plus_adapters']:.4f}", "<= 1.01"),
-      ("  8 merged copies instead (MiB)", mib(m["eight_merged_copies_bytes"]), ""),
-      ("train-step temp: LoRA / frozen base", f"{s['lora_over_frozen_temp']:.3f}", "<= 1.05"),
-      ("  temp MiB: full, frozen base, LoRA", ", ".join(
-          mib(s["temp_bytes"][n]) for n in ("full", "frozen_base", "lora")), ""),
-      ("optimizer state at GPT-2-small: LoRA / full",
-       f"{payload['gpt2_small']['lora_over_full']:.4f}", "<= 0.02"),
-      ("step time: LoRA / full fine-tune", f"{s['lora_over_full_step_time']:.3f}", "<= 1.15"),
-      *([(f"  at width {w['size']['d_model']}: step time LoRA / full",
-          f"{w['lora_over_full_step_time']:.3f}", "<= 1.15"),
-         (f"  at width {w['size']['d_model']}: temp LoRA / frozen base",
-          f"{w['lora_over_frozen_temp']:.3f}", "<= 1.05")] if (w := payload.get("wide")) else []),
-      ("decode: 8 rows on 8 adapters / on one", f"{payload['decode']['eight_over_one']:.3f}",
-       "<= 1.15"),
-      ("quality: LoRA gain / full fine-tune gain",
-       f"{payload['quality']['lora_gain_over_full_gain']:.3f}", ">= 0.5"),
-  ], align="lrr")
-  q = payload["quality"]
-  lines += ["", *report.table(["validation loss on the new text", "nats/char"], [
-      ("base", f"{q['base_valid_loss']:.4f}"), ("full fine-tune", f"{q['full_valid_loss']:.4f}"),
-      (f"LoRA rank {payload['config']['rank']}", f"{q['lora_valid_loss']:.4f}")])]
-  return "\n".join(lines)
-
-
-def draw(payload: dict[str, Any]):
-  def fig_fn(plt):
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
-    m = payload["steps"]["memory"]
-    names = ["base", "base + 8 adapters", "8 merged copies"]
-    ax1.bar(names, [m["base_bytes"] / 2**20, m["params_with_8_bytes"] / 2**20,
-                    m["eight_merged_copies_bytes"] / 2**20])
-    ax1.set_ylabel("parameter MiB on the device")
-    ax1.set_title("Many adapters, one base")
-    ratios = {"step time\nLoRA / full": payload["steps"]["lora_over_full_step_time"],
-              "step temp\nLoRA / frozen": payload["steps"]["lora_over_frozen_temp"],
-              "decode\n8 adapters / 1": payload["decode"]["eight_over_one"]}
-    ax2.bar(list(ratios), list(ratios.values()))
-    ax2.axhline(1.0, color="gray", lw=0.8)
-    ax2.set_title("Ratios (1: no cost)")
-    q = payload["quality"]
-    ax3.bar(["base", "full", "LoRA"], [q["base_valid_loss"], q["full_valid_loss"],
-                                       q["lora_valid_loss"]])
-    ax3.set_ylabel("validation loss on the new text (nats/char)")
-    ax3.set_title("Fine-tuning on another text")
-    return fig
-  return fig_fn
-
-
 def build_parser():
   p = harness.parser(__doc__)
   p.add_argument("--num_layers", type=int, default=4)
@@ -334,6 +276,10 @@ def build_parser():
   p.add_argument("--learning_rate", type=float, default=2e-3)
   p.add_argument("--lora_learning_rate", type=float, default=1e-2)
   p.add_argument("--eval_batches", type=int, default=8)
+  p.add_argument("--dtype", default="float32", choices=model_config.DTYPES,
+                 help="the compute dtype (GPTConfig.dtype): bfloat16 on a TPU")
+  p.add_argument("--parts", type=harness.str_list(PARTS), default=list(PARTS),
+                 help="which measurements to run, comma-separated")
   return p
 
 
@@ -347,46 +293,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   args = harness.parse_args(build_parser, QUICK, argv)
   start = time.perf_counter()
   corpus = data_lib.load_dataset(None)
-  tokens = data_lib.BatchSampler(corpus.train, args.batch_size, args.seq_len, 0).next()
-  steps = measure_steps(args, corpus.vocab_size, tokens)
-  harness.log(f"parameters over base + 8 adapters: "
-              f"{steps['memory']['over_base_plus_adapters']:.4f}; temp LoRA/frozen "
-              f"{steps['lora_over_frozen_temp']:.3f}; step LoRA/full "
-              f"{steps['lora_over_full_step_time']:.3f}")
-  wide_args = type(args)(**{**vars(args), **WIDE["quick" if args.quick else "full"]})
-  wide_tokens = data_lib.BatchSampler(corpus.train, wide_args.batch_size, wide_args.seq_len,
-                                      0).next()
-  wide = measure_steps(wide_args, corpus.vocab_size, wide_tokens)
-  harness.log(f"at width {wide_args.d_model}: temp LoRA/frozen "
-              f"{wide['lora_over_frozen_temp']:.3f}; step LoRA/full "
-              f"{wide['lora_over_full_step_time']:.3f}")
-  gpt2 = gpt2_small_optimizer_state(8)
-  harness.log(f"GPT-2-small optimizer state LoRA/full: {gpt2['lora_over_full']:.4f}")
-  decode = measure_decode(args, corpus.vocab_size)
-  harness.log(f"decode 8 adapters / one: {decode['eight_over_one']:.3f}")
-  quality = measure_quality(args)
-  harness.log(f"quality: LoRA gain / full gain {quality['lora_gain_over_full_gain']:.3f}")
-  payload = {
-      "question": __doc__.strip().splitlines()[0],
-      "command": harness.command_line(),
-      "quick": args.quick,
-      "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
-      "steps": steps, "wide": {"size": WIDE["quick" if args.quick else "full"], **wide},
-      "gpt2_small": gpt2, "decode": decode, "quality": quality,
-      "summary": {
-          "params_over_base_plus_adapters": steps["memory"]["over_base_plus_adapters"],
-          "train_temp_lora_over_frozen": steps["lora_over_frozen_temp"],
-          "optimizer_state_lora_over_full_gpt2_small": gpt2["lora_over_full"],
-          "step_time_lora_over_full": steps["lora_over_full_step_time"],
-          "step_time_lora_over_full_wide": wide["lora_over_full_step_time"],
-          "train_temp_lora_over_frozen_wide": wide["lora_over_frozen_temp"],
-          "decode_eight_over_one": decode["eight_over_one"],
-          "quality_lora_gain_over_full_gain": quality["lora_gain_over_full_gain"],
-      },
-      "environment": harness.environment(),
-      "seconds": time.perf_counter() - start,
-  }
-  return harness.publish(args, NAME, payload, markdown, draw)
+  wide = WIDE["quick" if args.quick else "full"]
+
+  def steps_at(a):
+    return measure_steps(a, corpus.vocab_size,
+                         data_lib.BatchSampler(corpus.train, a.batch_size, a.seq_len, 0).next())
+
+  measures = {"steps": lambda: steps_at(args),
+              "wide": lambda: {"size": wide, **steps_at(type(args)(**{**vars(args), **wide}))},
+              "gpt2_small": lambda: gpt2_small_optimizer_state(8),
+              "decode": lambda: measure_decode(args, corpus.vocab_size),
+              "quality": lambda: measure_quality(args)}
+  payload = {"question": __doc__.strip().splitlines()[0], "command": harness.command_line(),
+             "quick": args.quick, "config": {**vars(args), "results_dir": None}}
+  for part in args.parts:
+    payload[part] = measures[part]()
+    harness.log(f"{part}: {lora_page.summary({part: payload[part]})}")
+  payload.update(summary=lora_page.summary(payload), environment=harness.environment(),
+                 seconds=time.perf_counter() - start)
+  return harness.publish(args, NAME if jax.default_backend() == "cpu" else
+                         f"{NAME}_{device_runs.device_slug()}", payload, lora_page.markdown,
+                         lora_page.draw)
 
 
 if __name__ == "__main__":
