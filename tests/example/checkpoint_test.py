@@ -45,7 +45,7 @@ import pytest
 import gpt_driver as gpt
 from examples.gpt import restoring
 from examples.gpt import saving
-from subprocesses import output, start
+from subprocesses import TIMEOUT, output, start
 from subprocesses import wait as wait_ok
 
 REPO = gpt.REPO
@@ -138,13 +138,13 @@ class Runs:
       self.error = e
 
   def resumed_log(self) -> str:
-    self.thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
     if self.error is not None:
       raise self.error
     return wait_ok(self.resumed)
 
   def close(self) -> None:
-    self.thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
     for proc in self.procs:
       if proc.poll() is None:
         proc.kill()

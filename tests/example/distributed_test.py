@@ -61,7 +61,7 @@ import pytest
 import background
 import gpt_driver as gpt
 from benchmarks.common import harness
-from subprocesses import Command, free_port, start, wait
+from subprocesses import TIMEOUT, Command, deadline, free_port, start, wait
 
 REPO = gpt.REPO
 TRAIN = gpt.TRAIN
@@ -217,7 +217,7 @@ class Runs:
     SAVED_ON workdir (a second of CPU), which no test reads.
     """
     try:
-      self.drivers[8][0].wait(timeout=600)
+      self.drivers[8][0].wait(timeout=TIMEOUT)
       flags = self.flags(SAVED_ON, resume=True, export_npz=self.export("one device restore"))
       self.one_device_restore = gpt.start_cli_driver(self.tmp, "restore1",
                                                      [gpt.as_args(flags)], xla_env(1))
@@ -242,14 +242,14 @@ class Runs:
 
   def two_process_logs(self) -> list[str]:
     """The resumed pair's logs, once it finished (the stopped pair's are in after_stop)."""
-    self.thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
     if self.error is not None:
       raise self.error
     return [wait(p) for p in self.resumed]
 
   def one_device_restore_log(self) -> str:
     """What the one-device restore logged (its stderr), after checking it succeeded."""
-    self.restore_thread.join(timeout=600)
+    self.restore_thread.join(timeout=TIMEOUT)
     if self.error is not None:
       raise self.error
     (result,) = gpt.cli_results(self.one_device_restore)
@@ -258,14 +258,15 @@ class Runs:
 
   def finish(self) -> None:
     """Waits for every process, the resumed pair and the restore included."""
-    self.thread.join(timeout=1200)
-    self.restore_thread.join(timeout=1200)
+    left = deadline()   # all of them within the one limit
+    self.thread.join(timeout=left())
+    self.restore_thread.join(timeout=left())
     for proc in list(self.procs):
-      proc.wait(timeout=600)
+      proc.wait(timeout=left())
 
   def close(self) -> None:
-    self.thread.join(timeout=600)
-    self.restore_thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
+    self.restore_thread.join(timeout=TIMEOUT)
     for command in self.two_workdirs:
       command.close()
     for proc in self.procs:

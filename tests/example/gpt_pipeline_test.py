@@ -66,7 +66,7 @@ import pytest
 import background
 import gpt_driver
 from gpt_driver import as_args, read_metrics, train_losses, xla_env
-from subprocesses import free_port, start, wait
+from subprocesses import TIMEOUT, deadline, free_port, start, wait
 
 REPO, TRAIN = gpt_driver.REPO, gpt_driver.TRAIN
 STEPS, STOP = gpt_driver.STEPS, 10
@@ -222,19 +222,20 @@ class Runs:
 
   def two_process_logs(self) -> tuple[list[str], list[str]]:
     """The first pair's logs and the resumed pair's, once both finished."""
-    self.thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
     if self.error is not None:
       raise self.error
     return self.straight_logs, [wait(p) for p in self.resumed]
 
   def finish(self) -> None:
     """Waits for every process, the resumed pair's included."""
-    self.thread.join(timeout=1200)
+    left = deadline()   # all of them within the one limit
+    self.thread.join(timeout=left())
     for proc in list(self.procs):
-      proc.wait(timeout=600)
+      proc.wait(timeout=left())
 
   def close(self) -> None:
-    self.thread.join(timeout=600)
+    self.thread.join(timeout=TIMEOUT)
     for proc in self.procs:
       if proc.poll() is None:
         proc.kill()

@@ -61,7 +61,7 @@ from examples.gpt import remat as remat_lib
 import background
 import gpt_driver
 import stacktools as st
-from subprocesses import Command, wait
+from subprocesses import TIMEOUT, Command, deadline, wait
 
 try:  # Public in some JAX versions; only in jax._src in jax 0.10.
   from jax.ad_checkpoint import saved_residuals
@@ -153,8 +153,9 @@ class Drivers:
     return os.path.join(self.tmp, name)
 
   def finish(self) -> None:
+    left = deadline()   # all of them within the one limit
     for proc, _ in self.procs:
-      proc.wait(timeout=600)
+      proc.wait(timeout=left())
 
   def close(self) -> None:
     for proc, _ in self.procs:
@@ -375,10 +376,11 @@ class StartUp:
     return os.path.join(self.tmp, "candidates", case)
 
   def finish(self) -> None:
+    left = deadline()   # all of them within the one limit
     for runs in (self.runs, self.sample_runs):
-      runs.driver[0].wait(timeout=600)
+      runs.driver[0].wait(timeout=left())
     for command in self.alone.values():
-      command.finish()
+      command.finish(timeout=left())
 
   def close(self) -> None:
     self.runs.close()
@@ -544,7 +546,7 @@ class Resumes:
     return workdir
 
   def finish(self) -> None:
-    self.runs.driver[0].wait(timeout=600)
+    self.runs.driver[0].wait(timeout=TIMEOUT)
 
   def close(self) -> None:
     self.runs.close()
@@ -589,7 +591,7 @@ class Runs:
     self.start_up.finish()
     if self.resumes is not None:
       self.resumes.finish()
-    self.samples.driver[0].wait(timeout=600)
+    self.samples.driver[0].wait(timeout=TIMEOUT)
 
   def close(self) -> None:
     for part in (self.drivers, self.start_up, self.resumes, self.samples):

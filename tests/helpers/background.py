@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import doc_examples
+import subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
-# Seconds a job may take. A job runs at the lowest priority, so on a machine
-# that other work loads it waits long for the CPU: at 1200 s, pipeline_cases
-# and the benchmarks' quick runs were killed under a load average of 10 to 16
-# on 2 cores. 40 minutes still stops a hung job inside CI's 90.
-TIMEOUT = 2400
+# Seconds a job may take: the tests' one limit on their subprocesses
+# (tests/helpers/subprocesses.py says why it is 40 minutes).
+TIMEOUT = subprocesses.TIMEOUT
 NICENESS = 19    # of the jobs' threads and processes
 
 

@@ -7,8 +7,25 @@ reads could fill and block it); :func:`wait` reads the file back.
 import os
 import socket
 import subprocess
+import time
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Seconds that the tests wait for their subprocesses, and that a background
+# job (tests/helpers/background.py) may take, all of its processes together.
+# The background jobs run at the lowest priority, so on a machine that other
+# work loads they wait long for the CPU: at 1200 s, pipeline_cases and the
+# benchmarks' quick runs were killed under a load average of 10 to 16 on 2
+# cores, and at 600 s a distributed_test driver. 40 minutes still stops a
+# hung job inside CI's 90.
+TIMEOUT = 2400
+
+
+def deadline(seconds: float = TIMEOUT) -> Callable[[], float]:
+  """A clock started now: each call gives the seconds left of ``seconds``
+  (0 once they ran out), for waiting on several things within one limit."""
+  end = time.monotonic() + seconds
+  return lambda: max(0.0, end - time.monotonic())
 
 
 def free_port() -> int:
@@ -32,7 +49,7 @@ def output(proc: subprocess.Popen) -> str:
   return proc.log.read()
 
 
-def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+def wait(proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
   """Waits for ``proc``; returns its output, after checking it succeeded."""
   proc.wait(timeout=timeout)
   text = output(proc)
@@ -51,7 +68,7 @@ class Command:
     self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.files[0],
                                  stderr=self.files[1], text=True)
 
-  def finish(self, timeout: float = 600) -> None:
+  def finish(self, timeout: float = TIMEOUT) -> None:
     self.proc.wait(timeout=timeout)
 
   def result(self) -> tuple[int, str, str]:
