@@ -246,6 +246,12 @@ def forward(cfg: GPTConfig, tokens: jax.Array, training: bool = False
   ``[num_layers]`` arrays for scan blocks (a skipped layer's are 0).
   ``training`` with ``cfg.layer_drop`` needs an rng.
   """
+  return _forward(cfg, tokens, training)
+
+
+def _forward(cfg: GPTConfig, tokens: jax.Array, training: bool
+             ) -> tuple[jax.Array, Optional[dict[str, jax.Array]]]:
+  """:func:`forward` under the caller's :func:`precision_and_adapters`."""
   embed, head = embed_and_head(cfg)
   x = embed(tokens)
   stack = block_stack(cfg, training=training)
@@ -284,5 +290,8 @@ def loss_fn(cfg: GPTConfig, tokens: jax.Array, training: bool = False):
     loss, stats = stack.scan_loss(*ends)
     return loss, jax.tree_util.tree_map(lambda s: jnp.mean(s, axis=1, dtype=jnp.float32),
                                         stats)
-  logits, stats = forward(cfg, tokens[:, :-1], training)
+  # _forward, not forward: this is traced under precision_and_adapters
+  # already, and a second st.adapters.lora context around the blocks would
+  # add each adapter twice (st.adapters.lora refuses it).
+  logits, stats = _forward(cfg, tokens[:, :-1], training)
   return _nll(logits, tokens[:, 1:]), stats

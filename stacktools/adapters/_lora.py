@@ -36,10 +36,17 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from stacktools.core import _context
+
 #: The names of an adapter's parameters in its Linear's module.
 LORA_A, LORA_B = "lora_a", "lora_b"
 #: The axes after the adapter axis: the two matrix axes.
 MATRIX_AXES = 2
+
+#: The Linear modules whose call an interceptor is adapting, outermost first:
+#: a second :func:`lora` context around the same call would add the same
+#: adapter (the same parameters) again.
+_ADAPTING = _context.ContextStack[hk.Module]()
 
 
 def check_targets(targets: Union[str, Sequence[str]]) -> tuple[str, ...]:
@@ -95,7 +102,13 @@ class _Interceptor:
     if not hits:
       return next_fun(*args, **kwargs)
     self.matched.update(hits)
-    out = next_fun(*args, **kwargs)
+    if any(m is module for m in _ADAPTING.values()):
+      raise ValueError(
+          f"st.adapters.lora: {name} is matched by two st.adapters.lora contexts, one "
+          "inside the other, which would add its adapter twice; enter "
+          "st.adapters.lora once around the model (or give the inner one other targets).")
+    with _ADAPTING.push(module):
+      out = next_fun(*args, **kwargs)
     x = args[0] if args else kwargs["inputs"]
     delta = self._delta(module, x, out.shape[-1], kwargs.get("precision"))
     return out + self.scale * delta.astype(out.dtype)
@@ -185,8 +198,9 @@ def lora(targets: Union[str, Sequence[str]], *, rank: int,
 
   Raises:
     ValueError: a bad ``targets``, ``rank`` or ``index``, a rank over a
-      layer's width, or (as the context closes) a target that matched no
-      Linear called inside it.
+      layer's width, a Linear matched by this context and by one around it
+      (its adapter would be added twice), or (as the context closes) a
+      target that matched no Linear called inside it.
 
   See also: :func:`split`, :func:`join`, :func:`merge`, :func:`stack`.
   """

@@ -2,10 +2,11 @@
 
 A ``with`` block pushes a value and pops it on the way out; code further down
 the call reads the innermost value (or every one) without being passed it.
-Five concerns use one: the public entry point that errors name
+Six concerns use one: the public entry point that errors name
 (``_checks``), the traces the remat planner records (``_checks``), the index
 of the layer being applied (``_arguments``), the names a checkpointed step
-tags (``policy``), and what answers ``remat="auto"`` (``loop_plan``).
+tags (``policy``), what answers ``remat="auto"`` (``loop_plan``), and the
+Linear layers that ``st.adapters.lora`` is adapting (``adapters._lora``).
 
 Example::
 

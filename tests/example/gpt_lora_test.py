@@ -14,16 +14,22 @@ Every claim against an independent reference:
 * sample.py --adapters=A,B decodes each row on its own adapters, greedily
   the text that --adapters=A and --adapters=B decode alone;
 * mistakes stop at start-up with one line and write nothing (a missing or
-  unreadable export among them).
+  unreadable export among them);
+* the loss a LoRA run trains is the loss of the merged parameters: each
+  adapter added once, as sampling and the export add it.
 """
 
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 import gpt_driver
+import stacktools as st
+from examples.gpt import model_config
+from examples.gpt import step as step_lib
 from subprocesses import wait
 
 TINY = gpt_driver.TINY
@@ -131,6 +137,22 @@ def test_export_is_the_base_with_the_adapters_merged_in(runs):
       np.testing.assert_allclose(merged[key], value + delta, rtol=1e-5, atol=1e-6)
     else:
       np.testing.assert_array_equal(merged[key], value)
+
+
+@pytest.mark.parametrize("block", ["fold", "scan"])
+def test_the_trained_loss_is_the_loss_of_the_merged_parameters(block):
+  cfg = model_config.GPTConfig(vocab_size=13, seq_len=8, num_layers=2, num_heads=2,
+                               d_model=16, block=block, remat="full", lora_rank=2,
+                               lora_alpha=4.0)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 9), 0, 13)
+  model = step_lib.transform(cfg)
+  base, adapters = st.adapters.split(model.init(jax.random.PRNGKey(0), tokens))
+  adapters = jax.tree.map(lambda a: a + 0.1, adapters)   # lora_b no longer zero
+  params = st.adapters.join(base, adapters)
+  loss = model.apply(params, tokens, training=True)[0]
+  merged = st.adapters.merge(params, alpha=cfg.lora_alpha)
+  want = step_lib.transform(cfg.without_adapters()).apply(merged, tokens, training=True)[0]
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
 def test_the_base_is_bit_identical_after_fine_tunes(runs):

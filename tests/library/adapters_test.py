@@ -223,6 +223,29 @@ def test_adapters_of_another_base_are_refused():
   assert f is not None
 
 
+def test_a_linear_matched_by_two_nested_contexts_is_refused():
+  cfg = Tiny(num_layers=2)
+  tokens = tiny_tokens(cfg)
+
+  def nested(outer, inner):
+    def forward(tokens):
+      with st.adapters.lora(outer, rank=2, alpha=ALPHA):
+        with st.adapters.lora(inner, rank=2, alpha=ALPHA):
+          return tiny_forward(cfg, tokens)[0]
+    return hk.without_apply_rng(hk.transform(forward))
+
+  # The same Linear in both: its adapter (the same parameters) added twice.
+  with pytest.raises(ValueError, match=r"block/attn/.* is matched by two "
+                                       r"st.adapters.lora contexts") as info:
+    nested(TARGETS, "attn").init(KEY, tokens)
+  assert "\n" not in info.value.args[0]
+  # Other Linears in each: the adapters of one context around all of them.
+  f, _, base, adapters = setup(cfg)
+  params = st.adapters.join(base, adapters)
+  np.testing.assert_array_equal(nested("attn", "fc").apply(params, tokens),
+                                f.apply(params, tokens))
+
+
 def test_adapter_gradients_copy_no_wide_activation():
   # The backward pass of an adapted MLP, gradients of the adapters only,
   # against the same pass to the input only (a frozen base): the adapters'
