@@ -148,6 +148,34 @@ def test_each_row_on_its_own_adapter_equals_that_adapter_alone():
                st.adapters.merge(st.adapters.join(base, many[1]), alpha=ALPHA))
 
 
+def test_one_token_a_row_is_each_adapter_alone_and_never_sees_the_others():
+  """A decode step (one token a row) selects each row's adapter instead of
+  gathering it; a row still equals its adapter alone, and an adapter gone
+  non-finite reaches only its own rows."""
+  cfg = Tiny(num_layers=3)
+  tokens = tiny_tokens(cfg, batch=4)[:, :1]
+  alone = adapted(cfg)
+  base, _ = st.adapters.split(alone.init(KEY, tokens))
+  many = [trained_like(st.adapters.split(alone.init(jax.random.PRNGKey(s), tokens))[1], s)
+          for s in range(3)]
+  index = jnp.array([2, 0, 1, 2])
+  by_row = adapted(cfg, count=3)
+
+  def each_alone(adapters, rows):
+    for r in rows:
+      want = alone.apply(st.adapters.join(base, adapters[int(index[r])]), tokens[r:r + 1])
+      yield r, want
+
+  got = by_row.apply(st.adapters.join(base, st.adapters.stack(many)), tokens, index)
+  for r, want in each_alone(many, range(4)):
+    assert_close(got[r:r + 1], want)
+  broken = [many[0], jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), many[1]), many[2]]
+  got = by_row.apply(st.adapters.join(base, st.adapters.stack(broken)), tokens, index)
+  assert not np.isfinite(np.asarray(got[2])).any()   # row 2 is on the broken adapter
+  for r, want in each_alone(many, (0, 1, 3)):
+    assert_close(got[r:r + 1], want)
+
+
 def test_a_fresh_adapter_changes_nothing():
   cfg = Tiny(num_layers=3)
   f, tokens, _, _ = setup(cfg)
