@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import stacktools as st
+from stacktools.adapters import _lora
 
 from haiku_helpers import KINDS, Tiny, assert_close, tiny_forward, tiny_tokens, transformer
 from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
@@ -148,32 +149,28 @@ def test_each_row_on_its_own_adapter_equals_that_adapter_alone():
                st.adapters.merge(st.adapters.join(base, many[1]), alpha=ALPHA))
 
 
-def test_one_token_a_row_is_each_adapter_alone_and_never_sees_the_others():
-  """A decode step (one token a row) selects each row's adapter instead of
-  gathering it; a row still equals its adapter alone, and an adapter gone
-  non-finite reaches only its own rows."""
-  cfg = Tiny(num_layers=3)
-  tokens = tiny_tokens(cfg, batch=4)[:, :1]
-  alone = adapted(cfg)
-  base, _ = st.adapters.split(alone.init(KEY, tokens))
-  many = [trained_like(st.adapters.split(alone.init(jax.random.PRNGKey(s), tokens))[1], s)
-          for s in range(3)]
-  index = jnp.array([2, 0, 1, 2])
-  by_row = adapted(cfg, count=3)
+@pytest.mark.parametrize("shape", [(5, 1, 16), (5, 16)])
+def test_a_decode_step_picks_each_rows_adapter_and_never_sees_the_others(shape):
+  """Off the CPU, a decode step (one token a row) selects each row's adapter
+  (``_lora.one_token_a_row``) instead of gathering it: each row gets its own
+  adapter's delta, and an adapter gone non-finite reaches only its rows."""
+  keys = jax.random.split(KEY, 3)
+  x = jax.random.normal(keys[0], shape)
+  a = jax.random.normal(keys[1], (3, 16, 4))
+  b = jax.random.normal(keys[2], (3, 4, 8))
+  rows = jnp.array([2, 0, 1, 2, 0])
 
-  def each_alone(adapters, rows):
-    for r in rows:
-      want = alone.apply(st.adapters.join(base, adapters[int(index[r])]), tokens[r:r + 1])
-      yield r, want
+  def each_alone(a, b, r):
+    return (x[r] @ a[int(rows[r])]) @ b[int(rows[r])]
 
-  got = by_row.apply(st.adapters.join(base, st.adapters.stack(many)), tokens, index)
-  for r, want in each_alone(many, range(4)):
-    assert_close(got[r:r + 1], want)
-  broken = [many[0], jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), many[1]), many[2]]
-  got = by_row.apply(st.adapters.join(base, st.adapters.stack(broken)), tokens, index)
+  got = _lora.one_token_a_row(x, a, b, rows)
+  for r in range(5):
+    assert_close(got[r], each_alone(a, b, r))
+  broken_a, broken_b = a.at[1].set(jnp.nan), b.at[1].set(jnp.inf)
+  got = _lora.one_token_a_row(x, broken_a, broken_b, rows)
   assert not np.isfinite(np.asarray(got[2])).any()   # row 2 is on the broken adapter
-  for r, want in each_alone(many, (0, 1, 3)):
-    assert_close(got[r:r + 1], want)
+  for r in (0, 1, 3, 4):
+    assert_close(got[r], each_alone(a, b, r))
 
 
 def test_a_fresh_adapter_changes_nothing():
