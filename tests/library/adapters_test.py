@@ -160,24 +160,23 @@ def test_a_decode_step_picks_each_rows_adapter_and_never_sees_the_others(shape):
   b = jax.random.normal(keys[2], (3, 4, 8))
   rows = jnp.array([2, 0, 1, 2, 0])
 
-  def each_alone(a, b, r):
+  def each_alone(x, a, b, r):
     return (x[r] @ a[int(rows[r])]) @ b[int(rows[r])]
 
   got = _lora.one_token_a_row(x, a, b, rows)
   for r in range(5):
-    assert_close(got[r], each_alone(a, b, r))
+    assert_close(got[r], each_alone(x, a, b, r))
   # Its gradients are those of the rows' own products (a step trained on
   # one token a row takes this path too).
   weights = jax.random.normal(jax.random.fold_in(KEY, 7), got.shape)
   loss = lambda x, a, b: jnp.sum(weights * _lora.one_token_a_row(x, a, b, rows))
-  want = lambda x, a, b: sum(jnp.sum(weights[r] * ((x[r] @ a[int(rows[r])]) @ b[int(rows[r])]))
-                            for r in range(5))
+  want = lambda x, a, b: sum(jnp.sum(weights[r] * each_alone(x, a, b, r)) for r in range(5))
   assert_close(jax.grad(loss, (0, 1, 2))(x, a, b), jax.grad(want, (0, 1, 2))(x, a, b))
   broken_a, broken_b = a.at[1].set(jnp.nan), b.at[1].set(jnp.inf)
   got = _lora.one_token_a_row(x, broken_a, broken_b, rows)
   assert not np.isfinite(np.asarray(got[2])).any()   # row 2 is on the broken adapter
   for r in (0, 1, 3, 4):
-    assert_close(got[r], each_alone(a, b, r))
+    assert_close(got[r], each_alone(x, a, b, r))
 
 
 def test_a_fresh_adapter_changes_nothing():
