@@ -34,6 +34,7 @@ Writes ``benchmarks/results/lora.json`` and ``lora.png`` (on an accelerator
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Any, Optional
@@ -59,8 +60,8 @@ NAME = "lora"
 PARTS = lora_page.PARTS
 ADAPTERS = 8
 #: The steps part again at a width where a step's time is its matmuls'.
-WIDE = {"full": dict(d_model=512, num_heads=8, seq_len=128, batch_size=8),
-        "quick": dict(d_model=32, num_heads=2, seq_len=16, batch_size=4)}
+#: A quick run's is the steps part's own size: the same programs, compiled once.
+WIDE = {"full": dict(d_model=512, num_heads=8, seq_len=128, batch_size=8)}
 GPT2_SMALL = dict(vocab_size=50257, seq_len=1024, num_layers=12, num_heads=12, d_model=768)
 
 
@@ -89,9 +90,12 @@ def _trained_like(adapters: Any, seed: int) -> Any:
   return treedef.unflatten([a + 0.02 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
 
 
-def _steps(cfg, lora_cfg, tx):
-  """The three train steps: LoRA (adapters, base), frozen base (the token
-  embedding alone), full fine-tune (every parameter)."""
+@functools.lru_cache
+def _steps(cfg, lora_cfg):
+  """AdamW and the three train steps: LoRA (adapters, base), frozen base (the
+  token embedding alone), full fine-tune (every parameter); the same functions
+  for the same configurations, so jit compiles each program once."""
+  tx = optax.adamw(1e-3)
   def full(params, opt_state, tokens):
     loss, grads = jax.value_and_grad(_loss(cfg).apply)(params, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -108,7 +112,7 @@ def _steps(cfg, lora_cfg, tx):
         _loss(lora_cfg).apply(p, t), None))
     return lora_lib.make_train_step(model, tx)(adapters, opt_state, tokens, base)[:3]
 
-  return full, frozen, lora
+  return tx, full, frozen, lora
 
 
 def measure_steps(args, vocab_size: int, tokens: np.ndarray) -> dict[str, Any]:
@@ -129,8 +133,7 @@ def measure_steps(args, vocab_size: int, tokens: np.ndarray) -> dict[str, Any]:
   memory["over_base_plus_adapters"] = memory["params_with_8_bytes"] / (
       base_bytes + ADAPTERS * memory["adapter_bytes"])
   del joined
-  tx = optax.adamw(1e-3)
-  full, frozen, lora = _steps(cfg, lora_cfg, tx)
+  tx, full, frozen, lora = _steps(cfg, lora_cfg)
   runs = {"full": (full, [base, tx.init(base), tokens]),
           "frozen_base": (frozen, [base["tok_embed"], tx.init(base["tok_embed"]), tokens, base]),
           "lora": (lora, [one, tx.init(one), tokens, base])}
@@ -293,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
   args = harness.parse_args(build_parser, QUICK, argv)
   start = time.perf_counter()
   corpus = data_lib.load_dataset(None)
-  wide = WIDE["quick" if args.quick else "full"]
+  wide = {k: getattr(args, k) for k in WIDE["full"]} if args.quick else WIDE["full"]
 
   def steps_at(a):
     return measure_steps(a, corpus.vocab_size,
