@@ -86,10 +86,13 @@ def gpt_part(part: dict[str, Any], size: dict[str, Any], args, options, report) 
   first batch, each of :data:`PROFILED`'s programs profiled after its timing
   (on a TPU a program is dropped once timed: see ``device_runs.time_runs``)."""
   held: dict[str, Any] = {}
+  both = accelerator.GPTParams(size)   # a quick run's: each layout initialised once
 
   def params_of(stack: str) -> Any:
     """One layout's float32 parameters on the device, the other's dropped
     (both beside a GPT-2-medium step at batch 16 did not fit)."""
+    if args.quick:
+      return both.get(stack)
     if held.get("stack") != stack:
       held.clear()
       gc.collect()
