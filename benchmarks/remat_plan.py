@@ -333,8 +333,10 @@ def build_parser():
   return p
 
 
+#: Two budgets: the tightest (only full fits) and the loosest (the planner
+#: tries more than one plan); the others plan the same way at other sizes.
 QUICK = ["--model", "mlp", "--depths", "2", "--only", "none", "full", "none:1,full:1",
-         "--rounds", "3", "--warmup_rounds", "0", "--width", "16",
+         "--fractions", "0.1,0.75", "--rounds", "3", "--warmup_rounds", "0", "--width", "16",
          "--batch", "8"]
 
 
