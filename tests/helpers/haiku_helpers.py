@@ -39,6 +39,20 @@ def check_jax_usage():
     yield
 
 
+def jitted(transformed):
+  """``transformed`` (``hk.Transformed`` or ``hk.TransformedWithState``) with
+  its init and apply under ``jax.jit``.
+
+  For a test that checks values: run eagerly, every primitive outside a loop
+  compiles as a program of its own (a hundred or more for the tiny
+  transformer's init), where jit compiles one. Not for a test of eager
+  behaviour, of an error raised while tracing, or of bit-identity between two
+  programs; nor inside a trace that a context changes (``st.plan_remat``'s
+  plans): a jitted function is traced once for its argument shapes.
+  """
+  return type(transformed)(*(jax.jit(f) for f in transformed))
+
+
 def random_input(shape, seed=0):
   return jax.random.uniform(jax.random.PRNGKey(seed), shape, minval=-1.0, maxval=1.0)
 

@@ -24,7 +24,8 @@ import pytest
 import stacktools as st
 from stacktools.adapters import _lora
 
-from haiku_helpers import KINDS, Tiny, assert_close, tiny_forward, tiny_tokens, transformer
+from haiku_helpers import (KINDS, Tiny, assert_close, jitted, tiny_forward, tiny_tokens,
+                           transformer)
 from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 
 KEY = jax.random.PRNGKey(0)
@@ -40,6 +41,7 @@ def adapted(cfg, targets=TARGETS, rank=2, alpha=ALPHA, **lora):
   return hk.without_apply_rng(hk.transform(forward))
 
 
+@jax.jit
 def trained_like(adapters, seed=1):
   """Adapters as after training: ``lora_b`` no longer zero."""
   leaves, treedef = jax.tree.flatten(adapters)
@@ -49,17 +51,21 @@ def trained_like(adapters, seed=1):
 
 
 def merged_reference(cfg, params, tokens, **merge):
-  """The model without adapters, unrolled, on the merged weights."""
-  merged = st.adapters.merge(params, alpha=ALPHA, **merge)
-  plain = transformer(Tiny(**{**cfg.__dict__, "stack": "unrolled"}))
-  if cfg.stack == "scan":
-    pattern = tuple(KINDS[c] for c in cfg.pattern) or None
-    merged = st.unstack_params(merged, "h", pattern=pattern)
-  return plain.apply(merged, tokens)
+  """The model without adapters, unrolled, on the merged weights (one jitted
+  program)."""
+  def reference(params, tokens):
+    merged = st.adapters.merge(params, alpha=ALPHA, **merge)
+    plain = transformer(Tiny(**{**cfg.__dict__, "stack": "unrolled"}))
+    if cfg.stack == "scan":
+      pattern = tuple(KINDS[c] for c in cfg.pattern) or None
+      merged = st.unstack_params(merged, "h", pattern=pattern)
+    return plain.apply(merged, tokens)
+  return jax.jit(reference)(params, tokens)
 
 
 def setup(cfg, **lora):
-  f = adapted(cfg, **lora)
+  """``adapted(cfg)`` jitted, tokens, its base and trained-like adapters."""
+  f = jitted(adapted(cfg, **lora))
   tokens = tiny_tokens(cfg)
   params = f.init(KEY, tokens)
   base, adapters = st.adapters.split(params)
@@ -94,22 +100,26 @@ def test_adapter_grads_equal_jax_grad_of_the_merged_weight_function(remat):
   cfg = Tiny(num_layers=3, remat=remat)
   f, tokens, base, adapters = setup(cfg)
   loss = lambda logits: jnp.mean(jnp.sin(logits))
-  got = jax.grad(lambda a: loss(f.apply(st.adapters.join(base, a), tokens)))(adapters)
-  want = jax.grad(lambda a: loss(merged_reference(
-      cfg, st.adapters.join(base, a), tokens)))(adapters)
+  got = jax.jit(jax.grad(lambda a: loss(f.apply(st.adapters.join(base, a), tokens))))(
+      adapters)
+  want = jax.jit(jax.grad(lambda a: loss(merged_reference(
+      cfg, st.adapters.join(base, a), tokens))))(adapters)
   assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_adapters_train_under_remat_auto():
   cfg = Tiny(num_layers=3, remat="auto")
-  f, tokens, base, adapters = setup(cfg)
+  _, tokens, base, adapters = setup(cfg)
+  # Not setup's jitted apply: traced once, it would keep the remat of its
+  # first trace under every plan.
+  f = adapted(cfg)
   loss = lambda a: jnp.mean(jnp.sin(f.apply(st.adapters.join(base, a), tokens)))
   plan = st.plan_remat(jax.grad(loss), adapters, budget="1GiB", measure=False)
   with plan:
-    got = jax.grad(loss)(adapters)
+    got = jax.jit(jax.grad(loss))(adapters)
   ref_f, _, _, _ = setup(Tiny(num_layers=3))
-  want = jax.grad(lambda a: jnp.mean(jnp.sin(ref_f.apply(st.adapters.join(base, a),
-                                                           tokens))))(adapters)
+  want = jax.jit(jax.grad(lambda a: jnp.mean(jnp.sin(ref_f.apply(st.adapters.join(base, a),
+                                                                   tokens)))))(adapters)
   assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -117,36 +127,41 @@ def test_layer_stack_takes_adapters_too():
   def forward(x, merged=None):
     with st.adapters.lora("dense", rank=2):
       return st.layer_stack(3)(lambda y: jnp.tanh(hk.Linear(8, name="dense")(y)))(x)
-  f = hk.without_apply_rng(hk.transform(forward))
+  f = jitted(hk.without_apply_rng(hk.transform(forward)))
   x = jax.random.normal(KEY, (4, 8))
   base, adapters = st.adapters.split(f.init(KEY, x))
   params = st.adapters.join(base, trained_like(adapters))
-  merged = st.adapters.merge(params)["__layer_stack_no_per_layer/dense"]
-  ref = x
-  for i in range(3):
-    ref = jnp.tanh(ref @ merged["w"][i] + merged["b"][i])
+
+  @jax.jit
+  def reference(params, x):
+    merged = st.adapters.merge(params)["__layer_stack_no_per_layer/dense"]
+    for i in range(3):
+      x = jnp.tanh(x @ merged["w"][i] + merged["b"][i])
+    return x
   assert adapters["__layer_stack_no_per_layer/dense"]["lora_a"].shape == (3, 8, 2)
-  assert_close(f.apply(params, x), ref)
+  assert_close(f.apply(params, x), reference(params, x))
 
 
 def test_each_row_on_its_own_adapter_equals_that_adapter_alone():
   cfg = Tiny(num_layers=3)
   tokens = tiny_tokens(cfg, batch=4)
-  alone = adapted(cfg)
+  alone = jitted(adapted(cfg))
   base, _ = st.adapters.split(alone.init(KEY, tokens))
   many = [trained_like(st.adapters.split(alone.init(jax.random.PRNGKey(s), tokens))[1], s)
           for s in range(3)]
   stacked = st.adapters.stack(many)
   index = jnp.array([2, 0, 1, 2])
-  rows = adapted(cfg, count=3).apply(st.adapters.join(base, stacked), tokens, index)
+  rows = jitted(adapted(cfg, count=3)).apply(st.adapters.join(base, stacked), tokens, index)
+  rows, tokens = np.asarray(rows), np.asarray(tokens)   # sliced by numpy, not op by op
   for r, i in enumerate(index.tolist()):
     want = alone.apply(st.adapters.join(base, many[i]), tokens[r:r + 1])
     assert_close(rows[r:r + 1], want)
   # The base is there once: the stacked adapters add the adapters' bytes only.
   nbytes = lambda t: sum(a.nbytes for a in jax.tree.leaves(t))
   assert nbytes(stacked) == sum(nbytes(a) for a in many)
-  assert_close(st.adapters.merge(st.adapters.join(base, stacked), alpha=ALPHA, adapter=1),
-               st.adapters.merge(st.adapters.join(base, many[1]), alpha=ALPHA))
+  merge = jax.jit(st.adapters.merge, static_argnames=("alpha", "adapter"))
+  assert_close(merge(st.adapters.join(base, stacked), alpha=ALPHA, adapter=1),
+               merge(st.adapters.join(base, many[1]), alpha=ALPHA))
 
 
 @pytest.mark.parametrize("shape", [(5, 1, 16), (5, 16)])
@@ -158,25 +173,32 @@ def test_a_decode_step_picks_each_rows_adapter_and_never_sees_the_others(shape):
   x = jax.random.normal(keys[0], shape)
   a = jax.random.normal(keys[1], (3, 16, 4))
   b = jax.random.normal(keys[2], (3, 4, 8))
-  rows = jnp.array([2, 0, 1, 2, 0])
+  picks = [2, 0, 1, 2, 0]
+  rows = jnp.array(picks)
 
   def each_alone(x, a, b, r):
-    return (x[r] @ a[int(rows[r])]) @ b[int(rows[r])]
+    return (x[r] @ a[picks[r]]) @ b[picks[r]]
 
-  got = _lora.one_token_a_row(x, a, b, rows)
+  # Each side one jitted program (run op by op, each of their operations
+  # compiles as a program of its own); compared row by row in numpy.
+  pick = jax.jit(_lora.one_token_a_row)
+  alone = np.asarray(jax.jit(lambda x, a, b: jnp.stack([each_alone(x, a, b, r)
+                                                        for r in range(5)]))(x, a, b))
+  got = np.asarray(pick(x, a, b, rows))
   for r in range(5):
-    assert_close(got[r], each_alone(x, a, b, r))
+    assert_close(got[r], alone[r])
   # Its gradients are those of the rows' own products (a step trained on
   # one token a row takes this path too).
   weights = jax.random.normal(jax.random.fold_in(KEY, 7), got.shape)
   loss = lambda x, a, b: jnp.sum(weights * _lora.one_token_a_row(x, a, b, rows))
   want = lambda x, a, b: sum(jnp.sum(weights[r] * each_alone(x, a, b, r)) for r in range(5))
-  assert_close(jax.grad(loss, (0, 1, 2))(x, a, b), jax.grad(want, (0, 1, 2))(x, a, b))
+  assert_close(jax.jit(jax.grad(loss, (0, 1, 2)))(x, a, b),
+               jax.jit(jax.grad(want, (0, 1, 2)))(x, a, b))
   broken_a, broken_b = a.at[1].set(jnp.nan), b.at[1].set(jnp.inf)
-  got = _lora.one_token_a_row(x, broken_a, broken_b, rows)
-  assert not np.isfinite(np.asarray(got[2])).any()   # row 2 is on the broken adapter
+  got = np.asarray(pick(x, broken_a, broken_b, rows))
+  assert not np.isfinite(got[2]).any()   # row 2 is on the broken adapter
   for r in (0, 1, 3, 4):
-    assert_close(got[r], each_alone(x, a, b, r))
+    assert_close(got[r], alone[r])
 
 
 def test_a_fresh_adapter_changes_nothing():
@@ -184,7 +206,9 @@ def test_a_fresh_adapter_changes_nothing():
   f, tokens, _, _ = setup(cfg)
   params = f.init(KEY, tokens)
   base, _ = st.adapters.split(params)
-  np.testing.assert_array_equal(f.apply(params, tokens),
+  # Both applies eager, not setup's jitted one: a bitwise comparison of two
+  # programs, which jit's fusion could make differ.
+  np.testing.assert_array_equal(adapted(cfg).apply(params, tokens),
                                 transformer(cfg).apply(base, tokens))
 
 
@@ -194,7 +218,7 @@ def test_a_lora_fine_tune_leaves_the_base_bit_identical_and_without_state():
   _, adapters = st.adapters.split(f.init(KEY, tokens))
   before = jax.tree.map(np.array, base)
   tx = st.over_layers(optax.adamw(1e-2), stacked=["h"], scale=[1.0, 0.5, 0.25])
-  state = tx.init(adapters)
+  state = jax.jit(tx.init)(adapters)
 
   @jax.jit
   def step(adapters, state, base):
@@ -271,10 +295,11 @@ def test_a_linear_matched_by_two_nested_contexts_is_refused():
     nested(TARGETS, "attn").init(KEY, tokens)
   assert "\n" not in info.value.args[0]
   # Other Linears in each: the adapters of one context around all of them.
-  f, _, base, adapters = setup(cfg)
+  # Both applies eager (a bitwise comparison of two programs).
+  _, _, base, adapters = setup(cfg)
   params = st.adapters.join(base, adapters)
   np.testing.assert_array_equal(nested("attn", "fc").apply(params, tokens),
-                                f.apply(params, tokens))
+                                adapted(cfg).apply(params, tokens))
 
 
 def test_adapter_gradients_copy_no_wide_activation():
@@ -288,7 +313,7 @@ def test_adapter_gradients_copy_no_wide_activation():
 
   f = hk.without_apply_rng(hk.transform(forward))
   x = jnp.ones([4, 16, 16])
-  params = f.init(KEY, x)
+  params = jax.jit(f.init)(KEY, x)
   base, adapters = st.adapters.split(params)
   loss = lambda p, x: jnp.mean(jnp.square(f.apply(p, x)))
   temp = lambda fn, *args: jax.jit(fn).lower(*args).compile().memory_analysis(
