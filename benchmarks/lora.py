@@ -287,7 +287,7 @@ def build_parser():
 
 
 QUICK = ["--num_layers", "2", "--num_heads", "2", "--d_model", "16", "--seq_len", "16",
-         "--batch_size", "8", "--rank", "2", "--rounds", "2", "--timed_steps", "2",
+         "--batch_size", "4", "--rank", "2", "--rounds", "2", "--timed_steps", "2",
          "--decode_tokens", "2", "--base_steps", "4", "--tune_steps", "2",
          "--eval_batches", "1"]
 
