@@ -540,12 +540,13 @@ def test_no_remat_keeps_a_small_slice_not_what_it_was_cut_from():
       h = _one_lane_block(h, w)
     return jnp.sum(h)
   loss = lambda ws, h: jnp.sum(st.fold(_one_lane_block, remat=False)(h, ws))
-  for got, want in zip(jax.grad(loss, (0, 1))(ws, h), jax.grad(unrolled, (0, 1))(ws, h)):
+  for got, want in zip(jax.jit(jax.grad(loss, (0, 1)))(ws, h),
+                       jax.jit(jax.grad(unrolled, (0, 1)))(ws, h)):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
   ws = 0.3 * jax.random.normal(jax.random.PRNGKey(0), (8, RD, RD))
   h = 0.5 * jnp.ones((RB, RD))
-  grads = [jax.grad(lambda ws: jnp.sum(st.fold(_tagged_elementwise_block,
-                                               remat=r)(h, ws)))(ws)
+  grads = [jax.jit(jax.grad(lambda ws: jnp.sum(st.fold(_tagged_elementwise_block,
+                                                       remat=r)(h, ws))))(ws)
            for r in (False, "save_all", "full")]
   for g in grads[1:]:   # float32 sums in another order (jax 0.12): a few ulps
     np.testing.assert_allclose(g, grads[0], rtol=2e-5,
