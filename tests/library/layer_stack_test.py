@@ -13,6 +13,8 @@ Where stacktools deliberately differs (initial state, two stacks with the same
 name), the test says so and shows Haiku's behaviour.
 """
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ import pytest
 
 import stacktools as st
 
-from haiku_helpers import (D, assert_close, layer_slice, random_like, random_x,
+from haiku_helpers import (D, assert_close, jitted, layer_slice, random_like, random_x,
                            restack, signature, sin_loss, stack_layers)
 from haiku_helpers import check_jax_usage  # pylint: disable=unused-import  # autouse fixture
 
@@ -43,7 +45,16 @@ def _loop(f, params, x_args, *, num_layers, prefix=NO_PER_LAYER, ys=None,
   tuple, maybe empty, of arrays with a leading layer axis) it mirrors
   ``layer_stack(n, with_per_layer_inputs=True)(f)(x_args[0], *ys)`` and
   returns ``(x, zs)``. Returns the new state too when ``state`` is given.
+
+  Runs as one jitted program: op by op, each of its operations would compile
+  as a program of its own.
   """
+  loop = functools.partial(_loop_body, f, num_layers=num_layers, prefix=prefix,
+                           reverse=reverse, fn_kwargs=fn_kwargs)
+  return jax.jit(loop)(params, x_args, ys, state)
+
+
+def _loop_body(f, params, x_args, ys, state, *, num_layers, prefix, reverse, fn_kwargs):
   layer = hk.transform_with_state(f)
   per_layer = ys is not None
   carry = x_args[0] if per_layer else tuple(x_args)
@@ -129,7 +140,7 @@ def test_matches_unrolled_loop_values_and_grads(unroll):
     return sin_loss(_loop(_residual, p, (x,), num_layers=n))
 
   grads = jax.jit(jax.grad(stacked_loss, argnums=(0, 1)))(params, x)
-  assert_close(grads, jax.grad(loop_loss, argnums=(0, 1))(params, x),
+  assert_close(grads, jax.jit(jax.grad(loop_loss, argnums=(0, 1)))(params, x),
                 rtol=1e-4, atol=1e-5)
 
 
@@ -231,6 +242,7 @@ def test_per_layer_inputs_multiple_args():
   assert_close(out, expected)
   # Haiku's port: with its own init (identity, zero bias) x -> 2x + 1 three
   # times from 0 gives 7.
+  st_t = jitted(st_t)
   params, state = st_t.init(INIT_KEY, x, a, b)
   (out, _), _ = st_t.apply(params, state, None, x, a, b)
   np.testing.assert_array_equal(out, np.full([batch, D], 7.0))
@@ -255,6 +267,7 @@ def test_container_per_layer_outputs(container):
   assert_close((out, z), _loop(f, params, (x + 0.5,), num_layers=n,
                                 prefix=WITH_PER_LAYER, ys=()))
   # Haiku's port, with its own (identity) init.
+  st_t = jitted(st_t)
   params, state = st_t.init(INIT_KEY, x)
   (out, z), _ = st_t.apply(params, state, None, x)
   raw, proj = ((z["raw_output"], z["output_projection"]) if container == "dict"
@@ -296,12 +309,14 @@ def test_nested_stack_values_match_double_loop():
   _, params, _, (out, _) = _assert_like_hk(
       lambda ls: lambda x: ls(outer_n)(ls(inner_n)(layer))(x), x)
   (name,) = params
-  expected = x
-  for i in range(outer_n):
-    for j in range(inner_n):
-      w, b = params[name]["w"][i, j], params[name]["b"][i, j]
-      expected = expected + jnp.tanh(expected @ w + b)
-  assert_close(out, expected)
+
+  @jax.jit
+  def double_loop(x, w, b):
+    for i in range(outer_n):
+      for j in range(inner_n):
+        x = x + jnp.tanh(x @ w[i, j] + b[i, j])
+    return x
+  assert_close(out, double_loop(x, params[name]["w"], params[name]["b"]))
 
 
 # ---------------------------------------------------------------------------
@@ -526,7 +541,8 @@ def test_state_matches_hk_and_loop():
 
   # st.layer_stack's initial state is the block's own (zeros); Haiku's init
   # runs every layer once, so its state starts one step in.
-  hk_t = hk.transform_with_state(lambda x: hk.layer_stack(n)(_counter)(x))
+  hk_t = jitted(hk.transform_with_state(lambda x: hk.layer_stack(n)(_counter)(x)))
+  st_t = jitted(st_t)
   params, st_state = st_t.init(INIT_KEY, x)
   _, hk_state = hk_t.init(INIT_KEY, x)
   np.testing.assert_array_equal(st_state[prefix]["count"], np.zeros(n, np.int32))
