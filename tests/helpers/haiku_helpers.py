@@ -70,10 +70,12 @@ def random_like(shapes, seed=0):
   """
   rng = np.random.default_rng(seed)
 
+  # Cast by numpy and put on the device as they are: jnp.asarray(x, dtype)
+  # compiles a conversion for every shape.
   def sample(s):
     if jnp.issubdtype(s.dtype, jnp.integer):
-      return jnp.asarray(rng.integers(0, 5, s.shape), s.dtype)
-    return jnp.asarray(0.4 * rng.standard_normal(s.shape), s.dtype)
+      return jax.device_put(np.asarray(rng.integers(0, 5, s.shape), s.dtype))
+    return jax.device_put(np.asarray(0.4 * rng.standard_normal(s.shape), s.dtype))
 
   return jax.tree.map(sample, shapes)
 
