@@ -66,8 +66,6 @@ from examples.gpt import model_config
 NAME = "decode"
 CACHED = ("in_place", "sliced", "unrolled")
 CONTENDERS = CACHED + ("recompute", "floor")
-#: One (batch, T) point: every contender's path, each compiled once (and
-#: twice in the memory-ordered child); the peak's growth needs its two batches.
 QUICK = ["--num_layers", "2", "--d_model", "32", "--num_heads", "2", "--vocab_size", "16",
          "--seq_lens", "64", "--batches", "2", "--rounds", "2", "--calls", "2",
          "--memory_seq_len", "64", "--peak_batches", "1,4"]
