@@ -226,16 +226,21 @@ def test_schedule_bubble_and_every_microbatch_visits_every_chunk_once(stages, mi
 
 
 def test_stage_layout_round_trips_and_groups_chunks_per_stage():
-  layers = jnp.arange(16)
-  staged = _stages.to_stages(layers, 4, 2)          # [P, R, K]
+  @jax.jit   # one program, not one per reshape and swap
+  def layouts(layers, batch):
+    staged = _stages.to_stages(layers, 4, 2)          # [P, R, K]
+    micro = _stages.split_microbatches(batch, 4)
+    return (staged, _stages.from_stages(staged), micro,
+            _stages.merge_microbatches(micro))
+
+  layers, batch = np.arange(16), np.arange(12)
+  staged, unstaged, micro, merged = map(np.asarray, layouts(layers, batch))
   assert staged.shape == (4, 2, 2)
   # Stage 1 holds chunk 1 (layers 2, 3) and chunk 5 (layers 10, 11).
   np.testing.assert_array_equal(staged[1], [[2, 3], [10, 11]])
-  np.testing.assert_array_equal(_stages.from_stages(staged), layers)
-  batch = jnp.arange(12)
-  micro = _stages.split_microbatches(batch, 4)
+  np.testing.assert_array_equal(unstaged, layers)
   np.testing.assert_array_equal(micro[1], [1, 5, 9])
-  np.testing.assert_array_equal(_stages.merge_microbatches(micro), batch)
+  np.testing.assert_array_equal(merged, batch)
 
 
 @pytest.mark.parametrize("index", [(2,), (1, slice(None), 3), (0, 1)])
@@ -340,7 +345,7 @@ def test_a_pipeline_axis_the_mesh_lacks_is_an_error():
   # Once it ran as a plain stack, silently.
   x = jnp.ones((4, 3))
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("pipe", "data"))
-  params = _pipelined("pipee").init(jax.random.PRNGKey(0), x)   # no mesh: plain
+  params = jax.jit(_pipelined("pipee").init)(jax.random.PRNGKey(0), x)   # no mesh: plain
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match=r"^Stacked: st\.Pipeline\(axis='pipee'\) "
                        r"names an axis that the mesh in use lacks: its axes are "
@@ -355,7 +360,7 @@ def test_a_pipeline_axis_the_mesh_lacks_is_an_error():
     for i in range(4):
       y = y + jnp.tanh(y) @ w[i] + b[i]
     return jnp.sum(y ** 2)
-  want = jax.grad(loop, (0, 1))(w, b)
+  want = jax.jit(jax.grad(loop, (0, 1)))(w, b)   # one program, not one per operation
   np.testing.assert_allclose(got["h/linear"]["w"], want[0], rtol=1e-5)
   np.testing.assert_allclose(got["h/linear"]["b"], want[1], rtol=1e-5)
 
