@@ -76,9 +76,9 @@ def test_per_depth_scan_ys_in_layer_order():
   ws = _weights()
   step = lambda c, w: (_step(c, w), jnp.sum(c))
   for reverse in (False, True):
-    _, ys = st.scan(step, remat=st.per_depth((2, "none"), (4, "full")),
-                    reverse=reverse)(jnp.ones((B, D)), ws)
-    _, ref = st.scan(step, reverse=reverse)(jnp.ones((B, D)), ws)
+    _, ys = jax.jit(st.scan(step, remat=st.per_depth((2, "none"), (4, "full")),
+                            reverse=reverse))(jnp.ones((B, D)), ws)
+    _, ref = jax.jit(st.scan(step, reverse=reverse))(jnp.ones((B, D)), ws)
     np.testing.assert_allclose(ys, ref, rtol=RTOL)
 
 
@@ -319,9 +319,9 @@ def test_the_challenger_is_the_fewest_flops_among_one_program_plans(stack_cls, c
   # Planned and run: the gradients of the step without checkpointing.
   with plan:
     value, grads = jax.jit(step)(params, x)
-  ref_value, ref_grads = jax.value_and_grad(hk.without_apply_rng(hk.transform(
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(hk.without_apply_rng(hk.transform(
       lambda x: jnp.mean(stack_cls(lambda: _ThreeMatmuls(name="block"), L,
-                                   name="h0").fold(x) ** 2))).apply)(params, x)
+                                   name="h0").fold(x) ** 2))).apply))(params, x)
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                grads, ref_grads)
@@ -532,8 +532,8 @@ def test_pure_loops_keyed_by_trace_order():
                        only=("full", "nested"))
   with plan:
     got = jax.jit(jax.grad(step))(c)
-  np.testing.assert_allclose(got, jax.grad(lambda c: jnp.sum(
-      _python_loop(_python_loop(c, ws), ws)))(c), rtol=RTOL)
+  np.testing.assert_allclose(got, jax.jit(jax.grad(lambda c: jnp.sum(
+      _python_loop(_python_loop(c, ws), ws))))(c), rtol=RTOL)
 
 
 @pytest.mark.parametrize("budget,expected", [
