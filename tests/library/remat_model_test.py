@@ -60,11 +60,13 @@ SOME = ("none", "full", "nested", "save:hidden", "save_all", "none:4,full:4",
 
 
 def _python_grads(c, ws):
+  """``jax.grad`` of the Python loop, jitted (op by op, each operation would
+  compile as a program of its own)."""
   def loss(c, ws):
     for i in range(ws.shape[0]):
       c = layer(c, ws[i])
     return jnp.sum(c ** 2)
-  return jax.grad(loss, (0, 1))(c, ws)
+  return jax.jit(jax.grad(loss, (0, 1)))(c, ws)
 
 
 # ---------------------------------------------------------------------------
@@ -144,9 +146,10 @@ def test_every_plan_computes_the_uncheckpointed_step():
   want = _python_grads(c, ws)
   for label, remat in _search.candidates(_search.discover(step, c, ws)[0]).items():
     got = jax.jit(_search.under(_search.Fixed({"loop_0": remat}), step))(c, ws)
-    # The reference runs op by op and the step compiled: float32 sums fused
-    # in another order differ by a few parts in 1e5 (up to 4e-5 relative on
-    # jax 0.12). A wrong plan is off by far more than this.
+    # The reference (the Python loop) and the step are two programs: float32
+    # sums fused in another order differ by a few parts in 1e5 (up to 4e-5
+    # relative on jax 0.12, with the reference run op by op). A wrong plan is
+    # off by far more than this.
     for g, w in zip(got, want):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=label)
 
@@ -512,7 +515,7 @@ def test_integer_outputs_and_inputs_are_costed():
   plan = st.plan_remat(grad, c, budget="64MiB", measure=False)
   with plan:
     got = jax.jit(grad)(c)
-  np.testing.assert_allclose(got, jax.grad(lambda c: loss(c, "none"))(c), rtol=1e-5)
+  np.testing.assert_allclose(got, jax.jit(jax.grad(lambda c: loss(c, "none")))(c), rtol=1e-5)
   full = next(r for r in plan.report.rows if r.plan == {"loop_0": "full"})
   assert full.temp_error == 0 and full.saved_bytes >= 4 * 8 * D * 4
 
