@@ -68,25 +68,24 @@ def _grads_of(tree, shapes, steps):
 def _run(tx, params, grads, eager=False):
   """``tx.init``, then ``tx.update`` per gradient, jitted unless ``eager``
   (see :data:`EAGER`)."""
-  init, step = _jitted(tx) if not eager else (tx.init, _step(tx))
+  init, step = _programs(tx, eager)
   state = init(params)
   for g in grads:
-    params, state = step(params, state, g)
+    params, state = step(params, g, state)
   return params, state
 
 
-def _step(tx):
-  def step(params, state, g):
-    updates, state = tx.update(g, state, params)
+def _programs(tx, eager=False):
+  """``tx``'s init and one step (``(params, grad, state[, factor])`` ->
+  ``(params, state)``, the updates scaled by ``factor`` when given), jitted
+  unless ``eager``: run op by op, every operation compiles as a program of
+  its own."""
+  def step(params, grad, state, factor=None):
+    updates, state = tx.update(grad, state, params)
+    if factor is not None:
+      updates = jax.tree.map(lambda u: u * factor, updates)
     return optax.apply_updates(params, updates), state
-  return step
-
-
-@functools.cache
-def _jitted(tx):
-  """``tx``'s init and step, jitted: run op by op, every operation of the
-  optimizer compiles as a program of its own."""
-  return jax.jit(tx.init), jax.jit(_step(tx))
+  return (tx.init, step) if eager else (jax.jit(tx.init), jax.jit(step))
 
 
 @functools.cache
@@ -112,7 +111,7 @@ def _reference(make_tx, params, grads, pattern=None, scale=None, eager=False):
   # An optax transformation is pure (its state is passed in and out): one
   # serves every layer, each with a state of its own.
   tx = make_tx()
-  init, step = (tx.init, _reference_step(tx)) if eager else _jitted_reference(tx)
+  init, step = _programs(tx, eager)
   states = {g: init({k: flat[k] for k in keys}) for g, keys in groups.items()}
   for grad in grads:
     flat_grad = st.unstack_params(grad, "h", pattern=pattern)
@@ -122,20 +121,6 @@ def _reference(make_tx, params, grads, pattern=None, scale=None, eager=False):
                             states[g], factor)
       flat.update(new)
   return st.stack_params(flat, "h", pattern=pattern)
-
-
-def _reference_step(tx):
-  def step(sub, grad, state, factor):
-    updates, state = tx.update(grad, state, sub)
-    if factor is not None:
-      updates = jax.tree.map(lambda u: u * factor, updates)
-    return optax.apply_updates(sub, updates), state
-  return step
-
-
-@functools.cache
-def _jitted_reference(tx):
-  return jax.jit(tx.init), jax.jit(_reference_step(tx))
 
 
 def _assert_close(got, want, rtol=1e-6):
