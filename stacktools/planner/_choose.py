@@ -1,7 +1,7 @@
 """The planner's choice under a memory budget, in few compiles: :func:`choose`.
 
 Every candidate plan is predicted from one trace of the step (see
-``_search.py`` and ``_cost_model.py``); :func:`choose` compiles only what the
+``_trace.py`` and ``_cost_model.py``); :func:`choose` compiles only what the
 prediction cannot settle. In pseudo-code::
 
   rows = predict every plan; compile "full" (the reference: calibrates rows)
@@ -36,18 +36,23 @@ margin, so one check settles the budget's edge; each further compile would
 add a whole compile's time to planning.
 
 Both ``st.plan_remat`` (_plan_remat.py) and ``st.remat_report(..., budget=...)``
-(_remat_report.py) choose here.
+(_remat_report.py) choose here. Each checks the budget's room
+(:func:`check_room`), builds the candidate plans from the step's trace
+(``_compile.Candidates``) and hands them to :func:`choose`, which only calls
+on them what :class:`CandidatePlans` lists: the choice is made over the
+candidates, whoever built them, and so stands beside the compiling, not on
+top of it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol
 
 import jax
 
-from stacktools.planner import _compile
+from stacktools.planner import _budget
 from stacktools.planner import _cost_model
 from stacktools.planner import _results
 from stacktools.planner import _search
@@ -87,7 +92,7 @@ def check_room(budget: Any, budget_bytes: int, args: Sequence[Any],
              for leaf in jax.tree_util.tree_leaves(arg) if isinstance(leaf, jax.Array)
              for shard in leaf.addressable_shards if shard.device == device)
   if budget_bytes + held > limit:
-    format_bytes = _search.format_bytes
+    format_bytes = _budget.format_bytes
     kept = "arguments it does not donate" if donated else "arguments"
     raise ValueError(
         f"budget={budget!r} ({format_bytes(budget_bytes)}) of temp memory "
@@ -96,6 +101,45 @@ def check_room(budget: Any, budget_bytes: int, args: Sequence[Any],
         f"{format_bytes(limit)}, which leaves "
         f"{format_bytes(limit - held)} for the step. Pass a budget of at "
         "most that, or make the step smaller (batch, width).")
+
+
+class CandidatePlans(Protocol):
+  """What :func:`choose` asks of the candidate plans it chooses among.
+
+  ``_compile.Candidates`` is the one the entry points build and hand over:
+  every joint plan of a step, predicted, compiled and timed as asked (see it
+  for what each attribute and method means).
+  """
+
+  plans: Sequence[Mapping[str, str]]
+  predicted: Sequence[_cost_model.Prediction]
+  traced: _cost_model.Traced
+  compiled: Mapping[int, Any]   # plan -> its compile (``.executable``)
+  compile_times: Mapping[int, float]
+  times: Mapping[int, list[float]]
+  unrunnable: set[int]
+
+  def choice(self, plan: Mapping[str, str]) -> dict[str, Any]:
+    """Stack key -> remat value of ``plan`` (stack key -> label)."""
+
+  def reference(self) -> int:
+    """The plan compiled first, which calibrates every prediction."""
+
+  def temp(self, i: int) -> int:
+    """Plan ``i``'s compiled temp bytes, else the calibrated prediction."""
+
+  def compile(self, i: int, *, memory_only: bool = False) -> Any:
+    """Compiles plan ``i`` (once; a memory-only compile is redone to time it)."""
+
+  def time(self, indices: Sequence[int], repeats: int) -> None:
+    """Times plans (compiling them for speed first), interleaved."""
+
+  def row(self, i: int) -> _results.ReportRow:
+    """Plan ``i`` as a report row."""
+
+  def report(self, *, budget: Optional[int], chosen: Optional[int] = None,
+             decision: str = "", seconds: float = 0.0) -> _results.RematReport:
+    """The report of every plan so far, row ``chosen`` marked as chosen."""
 
 
 class _Budget:
@@ -108,7 +152,7 @@ class _Budget:
   (``_results.MARGIN``: a report's rows are chosen by it too.)
   """
 
-  def __init__(self, plans: _compile.Candidates, budget_bytes: int):
+  def __init__(self, plans: CandidatePlans, budget_bytes: int):
     self.plans = plans
     self.budget_bytes = budget_bytes
     self.edge_checks: list[int] = []   # the plans compiled to settle the edge
@@ -146,7 +190,7 @@ class _Budget:
     return next((i for i in ranked if self.fits(i, timed)), None)
 
 
-def _challenger(plans: _compile.Candidates, budget: _Budget,
+def _challenger(plans: CandidatePlans, budget: _Budget,
                 reference: int) -> Optional[int]:
   """The plan timed against the reference: the fewest FLOPs that fit among
   the one-loop plans with fewer FLOPs than it, else among any such plans."""
@@ -174,7 +218,7 @@ def _fastest(reference: Sequence[float],
   return min(reference), min(challenger), min(max([tie] + spreads), 2 * tie)
 
 
-def _race(plans: _compile.Candidates, reference: int, challenger: int,
+def _race(plans: CandidatePlans, reference: int, challenger: int,
           repeats: int) -> Optional[tuple[int, str]]:
   """Times the two plans, interleaved: the faster and the decision in
   words; None where the device could not run either."""
@@ -202,24 +246,17 @@ def _race(plans: _compile.Candidates, reference: int, challenger: int,
   return challenger, f"{timing}: a tie, so the fewer FLOPs"
 
 
-def choose(step_fn: Callable[..., Any], *args: Any, budget: _search.Budget,
-           measure: bool, repeats: int, offload: Optional[bool],
-           only: Optional[Sequence[str]],
-           traced: Optional[_search.Traced] = None,
-           donate_argnums: Sequence[int] = ()) -> _results.RematReport:
+def choose(plans: CandidatePlans, *, budget: _budget.Budget, measure: bool,
+           repeats: int, start: float) -> _results.RematReport:
   """The report of :func:`stacktools.plan_remat`'s few compiles, its choice marked.
 
-  See the module docstring for the procedure. ``budget`` comes parsed by
-  the public entry point that took it.
+  See the module docstring for the procedure. The public entry point that
+  took the budget parsed it, checked its room (:func:`check_room`) and, for
+  ``measure``, the arguments (``_search.check_measurable``), then built
+  ``plans`` from the step's trace; ``start`` is when it began (the report's
+  ``seconds`` count from there).
   """
-  start = time.perf_counter()
   budget_bytes = budget.bytes
-  check_room(budget.given, budget_bytes, args, donate_argnums)
-  if measure:
-    _search.check_measurable(args)
-  plans = _compile.Candidates(
-      step_fn, args, traced or _search.trace(step_fn, *args), offload=offload,
-      only=only, donate_argnums=donate_argnums)
   reference = plans.reference()
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
   fitting = _Budget(plans, budget_bytes)
@@ -242,7 +279,7 @@ def choose(step_fn: Callable[..., Any], *args: Any, budget: _search.Budget,
   return report
 
 
-def _compiled_within(plans: _compile.Candidates, fitting: _Budget,
+def _compiled_within(plans: CandidatePlans, fitting: _Budget,
                      pick: Optional[int]) -> Optional[int]:
   """``pick``, compiled to check that it fits, else the next plan by FLOPs
   that does: a plan is never returned on its prediction alone.
@@ -262,7 +299,7 @@ def _compiled_within(plans: _compile.Candidates, fitting: _Budget,
   return pick
 
 
-def _untimed(plans: _compile.Candidates, budget_bytes: int, start: float,
+def _untimed(plans: CandidatePlans, budget_bytes: int, start: float,
              reference: int, challenger: int) -> _results.RematReport:
   """The challenger, by its fewer FLOPs, when either plan could not be timed.
 

@@ -1,7 +1,7 @@
 """Compiling and timing candidate plans, and the record of both (``Candidates``).
 
 A candidate plan is compiled with every auto stack answered by its choice
-(:func:`compile_plan`, under ``_search.Fixed``); a plan too big for
+(:func:`compile_plan`, under ``_stack_info.Fixed``); a plan too big for
 the device (XLA refuses it, ``RESOURCE_EXHAUSTED``) is recorded as
 :data:`OUT_OF_MEMORY`, not raised (:func:`exhausted`). Executables are timed
 side by side, interleaved (:func:`time_runs`).
@@ -9,9 +9,11 @@ side by side, interleaved (:func:`time_runs`).
 :class:`Candidates` is the working state of a report or a planning: every joint
 plan of a step, predicted once from the trace, then compiled and timed as
 the caller asks; the first program compiled calibrates every prediction (it
-tells what the step holds besides its stacks). ``_remat_report.py`` compiles the
-reference or every plan through it; ``_choose.py`` a few; then
-:meth:`Candidates.report` freezes it into a ``RematReport``.
+tells what the step holds besides its stacks). The entry points
+(``_remat_report.py``, ``_plan_remat.py``) build it from the step's trace;
+``_remat_report.py`` compiles the reference or every plan through it, or hands
+it to ``_choose.py``, which compiles a few; then :meth:`Candidates.report`
+freezes it into a ``RematReport``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from stacktools.planner import _cost_model
 from stacktools.planner import _results
 from stacktools.planner import _search
+from stacktools.planner import _stack_info
 
 @dataclasses.dataclass
 class Compiled:
@@ -65,7 +68,7 @@ def compile_plan(step_fn: Callable[..., Any], args: Sequence[Any],
                  donate_argnums: Sequence[int] = ()) -> Compiled:
   """Compiles ``step_fn`` with its stacks running ``choice`` (and the
   arguments ``donate_argnums`` donated, as the step that runs donates them)."""
-  lowered = jax.jit(_search.under(_search.Fixed(choice), step_fn),
+  lowered = jax.jit(_results.under(_stack_info.Fixed(choice), step_fn),
                     donate_argnums=tuple(donate_argnums)).lower(*args)
   compiled = None
   if memory_only:
@@ -120,13 +123,13 @@ def time_runs(executables: Sequence[Any], args: Sequence[Any], repeats: int,
 class Candidates:
   """Every joint plan of a step, predicted, and compiled where asked.
 
-  The working state of a report: ``_remat_report.py`` and the planner
-  (``_choose.py``) compile and time plans through it, then
-  :meth:`report` freezes it.
+  The working state of a report: the entry points build it from the step's
+  trace; ``_remat_report.py`` and the planner (``_choose.py``) compile and
+  time plans through it, then :meth:`report` freezes it.
   """
 
   def __init__(self, step_fn: Callable[..., Any], args: Sequence[Any],
-               traced: _search.Traced, *, offload: Optional[bool],
+               traced: _cost_model.Traced, *, offload: Optional[bool],
                only: Optional[Sequence[str]], donate_argnums: Sequence[int] = ()):
     self.step_fn, self.args, self.traced = step_fn, tuple(args), traced
     self.donate_argnums = _search.donated(donate_argnums, len(self.args))

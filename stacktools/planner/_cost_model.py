@@ -29,6 +29,10 @@ In pseudo-code::
   per policy p:   kept[p], host[p], flops[p] = trace(vjp(layer under p))
   per candidate:  temp = rest + max over segments s (kept before s + peak(s))
                   flops = flops_of_step_traced + sum(n_s * flops[p_s]) - L * flops[full]
+
+:class:`Traced` is the model of a whole step: its stacks' models and its
+FLOPs, as ``_trace.trace`` builds them from its one trace, and what
+:func:`predict` prices every plan with.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from stacktools.core import _jaxpr
+from stacktools.planner import _stack_info
 from stacktools.remat import _nested_split
 from stacktools.remat import _policy
 from stacktools.remat import _segments
@@ -267,6 +272,27 @@ class StackModel:
         host += count * layer.host
     return StackCost(flops=int(flops), kept=int(kept), peak=int(max(peak, kept)),
                      host=int(host))
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """What one trace of the step tells the planner.
+
+  Attributes:
+    stacks: the auto stacks, in the order the step runs them.
+    models: stack key -> its cost model.
+    step_flops: FLOPs of the step with every stack ``"full"``.
+    jaxpr: the step's closed jaxpr, so traced.
+  """
+
+  stacks: tuple[_stack_info.StackInfo, ...]
+  models: Mapping[str, StackModel]
+  step_flops: int
+  jaxpr: Any
+
+  def text(self) -> str:
+    """The step's jaxpr as text: what a remembered plan is keyed on."""
+    return str(self.jaxpr)
 
 
 @dataclasses.dataclass(frozen=True)

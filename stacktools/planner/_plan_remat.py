@@ -5,7 +5,9 @@ and compiles only what the prediction cannot settle: at most
 ``MAX_COMPILES`` = 3 (the reference, ``"full"``, which calibrates the
 predictions; a challenger with fewer FLOPs, timed against it; one check of a
 plan at the budget's edge). ``_choose.py`` holds that procedure and
-why, shared with ``st.remat_report(..., budget=...)``.
+why, shared with ``st.remat_report(..., budget=...)``; this module traces the
+step (``_trace.py``), builds the candidates from the trace
+(``_compile.Candidates``) and hands them to it.
 
 The :class:`RematPlan` returned answers ``remat="auto"`` while a step is
 traced under it, and is remembered in a cache folder (``cache_dir=`` or
@@ -17,7 +19,6 @@ module this one (see its docstring for the layering).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -26,10 +27,14 @@ import jax
 import numpy as np
 
 from stacktools.core import _checks
+from stacktools.planner import _budget
 from stacktools.planner import _cache
 from stacktools.planner import _choose
+from stacktools.planner import _compile
+from stacktools.planner import _cost_model
 from stacktools.planner import _results
 from stacktools.planner import _search
+from stacktools.planner import _trace
 # The plan's class, at its public address (st.RematPlan); it lives with the
 # report it is chosen from (RematPlan.from_report, report.plan(...)).
 from stacktools.planner._results import RematPlan
@@ -109,10 +114,10 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
   """
   start = time.perf_counter()
   with _checks.subject("st.plan_remat"):
-    budget = _search.parse_budget(budget)
+    budget = _budget.parse_budget(budget)
     if measure:
       _search.check_measurable(args)
-    traced = _search.trace(step_fn, *args)
+    traced = _trace.trace(step_fn, *args)
     if offload is None:
       offload = _search.host_memory_available()
     cache = _cache.PlanCache.at(cache_dir)
@@ -126,10 +131,11 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       if plan is not None:
         plan.seconds = time.perf_counter() - start
         return _process_zeros(plan)
-    report = _choose.choose(step_fn, *args, budget=budget, measure=measure,
-                                  repeats=repeats, offload=offload, only=only,
-                                  traced=traced, donate_argnums=donate_argnums)
-    report = dataclasses.replace(report, seconds=time.perf_counter() - start)
+    _choose.check_room(budget.given, budget.bytes, args, donate_argnums)
+    plans = _compile.Candidates(step_fn, args, traced, offload=offload, only=only,
+                                donate_argnums=donate_argnums)
+    report = _choose.choose(plans, budget=budget, measure=measure, repeats=repeats,
+                            start=start)
   labels = dict(report.chosen.plan)
   path = None if cache is None else cache.store(key, {
       "labels": labels, "report": report.to_json()})
@@ -158,7 +164,7 @@ def _process_zeros(plan: RematPlan) -> RematPlan:
 
 
 def _remembered(cache: _cache.PlanCache, key: Mapping[str, Any],
-                traced: _search.Traced, *, offload: bool,
+                traced: _cost_model.Traced, *, offload: bool,
                 only: Optional[Sequence[str]]) -> Optional[RematPlan]:
   """The plan stored under ``key``, or None (a miss, or a file not usable)."""
   entry = cache.load(key)

@@ -2,11 +2,12 @@
 
 A *stack* is a loop built with ``remat="auto"``, a *candidate* one remat
 value for it, a *plan* a candidate for every stack (``_search.py``
-says more). Every plan is predicted from one trace of the step, without
-compiling it (``_cost_model.py``: what the loops keep per layer and the FLOPs of
-a layer, times counts, plus carries, seams and nested splits). One compile,
-of the plan that runs every stack ``"full"``, tells what the step holds
-besides its stacks, which every prediction then adds. In pseudo-code::
+says more). Every plan is predicted from one trace of the step
+(``_trace.py``), without compiling it (``_cost_model.py``: what the loops keep
+per layer and the FLOPs of a layer, times counts, plus carries, seams and
+nested splits). One compile, of the plan that runs every stack ``"full"``,
+tells what the step holds besides its stacks, which every prediction then
+adds. In pseudo-code::
 
   traced = trace(step_fn, *args)              # stacks, each layer's trace
   rows = [predict(plan) for plan in plans]     # no compile
@@ -18,11 +19,16 @@ This module is the public entry; the machinery is below it, shared with
 ``_plan_remat.py`` (which this module does not import, nor it this one), and its
 modules import one another in one direction only::
 
-  _remat_report.py, _plan_remat.py
-    -> _choose.py    the planner's few compiles and its choice
-    -> _compile.py   compiling and timing plans; Candidates, the record
+  _remat_report.py, _plan_remat.py   trace, build the Candidates, choose
+    -> _trace.py     one trace: the stacks, each one's cost model
+       _compile.py   compiling and timing plans; Candidates, the record
+       _choose.py    the few compiles and the choice, over the candidates it
+                     is handed (it does not import _compile.py)
     -> _results.py   ReportRow, RematReport, RematPlan
-    -> _search.py    one trace: the stacks, their candidates
+       _search.py    each stack's candidates, the joint plans
+       _cost_model.py  what a candidate costs; Traced, a step's model
+    -> _stack_info.py, _budget.py   the shared terms: a stack, a fixed plan,
+                     bytes and budgets
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from stacktools.core import _checks
+from stacktools.planner import _budget
 from stacktools.planner import _choose
 from stacktools.planner import _compile
 from stacktools.planner import _search
+from stacktools.planner import _trace
 # The report's classes, at their public address (st.RematReport); they live
 # with RematPlan, which they lead to (report.plan(...)).
 from stacktools.planner._results import RematReport
@@ -106,11 +114,14 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
       ``donate_argnums`` that names no argument.
   """
   with _checks.subject("st.remat_report"):
-    budget = None if budget is None else _search.parse_budget(budget)
+    budget = None if budget is None else _budget.parse_budget(budget)
     if budget is not None and not compile_all:
-      return _choose.choose(step_fn, *args, budget=budget, measure=measure,
-                                  repeats=repeats, offload=offload, only=only,
-                                  donate_argnums=donate_argnums)
+      start = time.perf_counter()
+      _choose.check_room(budget.given, budget.bytes, args, donate_argnums)
+      plans = candidates(step_fn, args, measure=measure, offload=offload, only=only,
+                         donate_argnums=donate_argnums)
+      return _choose.choose(plans, budget=budget, measure=measure, repeats=repeats,
+                            start=start)
     return build(step_fn, *args, measure=measure, repeats=repeats, offload=offload,
                  only=only, budget=budget, compile_all=compile_all,
                  donate_argnums=donate_argnums)
@@ -118,15 +129,13 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
 
 def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
           offload: Optional[bool], only: Optional[Sequence[str]],
-          budget: Optional[_search.Budget], compile_all: bool,
+          budget: Optional[_budget.Budget], compile_all: bool,
           donate_argnums: Sequence[int] = ()) -> RematReport:
   """:func:`remat_report` without a choice, its mistakes named after the
   caller's subject: the reference compiled, or every plan."""
   start = time.perf_counter()
-  if measure:
-    _search.check_measurable(args)
-  plans = _compile.Candidates(step_fn, args, _search.trace(step_fn, *args),
-                               offload=offload, only=only, donate_argnums=donate_argnums)
+  plans = candidates(step_fn, args, measure=measure, offload=offload, only=only,
+                     donate_argnums=donate_argnums)
   budget_bytes = None if budget is None else budget.bytes
   order = [plans.reference()]
   if compile_all:
@@ -136,3 +145,14 @@ def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
     if measure and (budget_bytes is None or compiled.temp_bytes <= budget_bytes):
       plans.time([i], repeats)
   return plans.report(budget=budget_bytes, seconds=time.perf_counter() - start)
+
+
+def candidates(step_fn: Callable[..., Any], args: Sequence[Any], *, measure: bool,
+               offload: Optional[bool], only: Optional[Sequence[str]],
+               donate_argnums: Sequence[int] = ()) -> _compile.Candidates:
+  """Every plan of ``step_fn(*args)``, predicted from one trace of it; with
+  ``measure``, the arguments are checked first to be arrays it can run."""
+  if measure:
+    _search.check_measurable(args)
+  return _compile.Candidates(step_fn, args, _trace.trace(step_fn, *args),
+                             offload=offload, only=only, donate_argnums=donate_argnums)

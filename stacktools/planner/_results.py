@@ -7,7 +7,11 @@ chosen candidate of every stack and answers ``remat="auto"`` while a step is
 traced under it. Each leads to the other (``report.plan(budget=...)``,
 ``plan.report``), so both live here, below the planner that fills them
 (``_compile.py``, ``_choose.py``); ``_remat_report.py`` and ``_plan_remat.py``
-give them their public addresses.
+give them their public addresses. :func:`under` runs a function under such a
+context (``plan.wrap``'s); the planner traces (``_trace.py``) and compiles
+(``_compile.py``) its candidates through it too. This module speaks of stacks
+and budgets in the planner's shared terms (``_stack_info.py``,
+``_budget.py``) and imports nothing else of it.
 
 The rule that picks a row under a budget is here too: a row fits by its
 compiled temp memory, or where not compiled by its prediction with
@@ -18,11 +22,13 @@ fewer FLOPs, then less memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, Optional, Union
 
-from stacktools.planner import _search
+from stacktools.planner import _budget
+from stacktools.planner import _stack_info
 from stacktools.remat import _segments
 
 #: The cost model's error on temp bytes that the planner allows for: a plan
@@ -118,7 +124,7 @@ class RematReport:
     decision: how the chosen row was chosen, in words.
   """
 
-  stacks: tuple[_search.StackInfo, ...]
+  stacks: tuple[_stack_info.StackInfo, ...]
   rows: tuple[ReportRow, ...]
   compile_seconds: float
   remats: Mapping[str, Mapping[str, Any]] = dataclasses.field(
@@ -162,7 +168,7 @@ class RematReport:
              f"{self.compiles} compiled ({self.compile_seconds:.1f} s compiling and "
              f"timing, {self.seconds:.1f} s in all)")
     if self.budget is not None:
-      title += f"; budget {_search.format_bytes(self.budget)}"
+      title += f"; budget {_budget.format_bytes(self.budget)}"
     out = [title, fmt(header)] + [fmt(c) for c in lines]
     if self.decision:
       out.append(f"chosen: {self.decision}")
@@ -226,8 +232,8 @@ class RematReport:
     chosen = data.get("chosen")
     chosen_row = None if chosen is None else next(
         r for r in rows if dict(r.plan) == chosen["plan"])
-    stacks = tuple(_search.StackInfo(s["key"], s["num_layers"],
-                                           tuple(s["tagged_names"]), s.get("period", 1))
+    stacks = tuple(_stack_info.StackInfo(s["key"], s["num_layers"],
+                                         tuple(s["tagged_names"]), s.get("period", 1))
                    for s in data["stacks"])
     return cls(stacks=stacks, rows=rows, compile_seconds=data["compile_seconds"],
                remats=remats, budget=data["budget_bytes"], chosen=chosen_row,
@@ -263,7 +269,7 @@ class RematPlan:
     self._contexts: list[Any] = []
 
   def __enter__(self) -> "RematPlan":
-    context = _segments.plan_context(_search.Fixed(self.choice))
+    context = _segments.plan_context(_stack_info.Fixed(self.choice))
     context.__enter__()
     self._contexts.append(context)
     return self
@@ -310,7 +316,7 @@ class RematPlan:
       ValueError: when no candidate fits: names the smallest temp memory
         and its plan.
     """
-    budget_bytes = _search.parse_bytes(budget)
+    budget_bytes = _budget.parse_bytes(budget)
     fits = [r for r in report.rows if _fits(r, budget_bytes)]
     if not fits:
       no_fit(report.rows, budget, budget_bytes)
@@ -330,7 +336,7 @@ class RematPlan:
 
   def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` running under this plan whenever it is called or traced."""
-    return _search.under(_search.Fixed(self.choice), fn)
+    return under(_stack_info.Fixed(self.choice), fn)
 
   def __repr__(self) -> str:
     return f"RematPlan({self.labels})"
@@ -338,6 +344,15 @@ class RematPlan:
   def to_json(self) -> dict[str, Any]:
     return {"plan": self.labels, "reused": self.reused, "cache_path": self.cache_path,
             "seconds": self.seconds, "report": self.report.to_json()}
+
+
+def under(context, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` that runs under ``context``, whenever it is called or traced."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with _segments.plan_context(context):
+      return fn(*args, **kwargs)
+  return wrapped
 
 
 def choice_of(report: RematReport, labels: Mapping[str, str]) -> dict[str, Any]:
@@ -358,8 +373,8 @@ def no_fit(rows: Sequence[ReportRow], budget: Any, budget_bytes: int) -> NoRetur
   how = "compiled" if smallest.compiled else "predicted"
   raise ValueError(
       f"No remat plan fits budget={budget!r} "
-      f"({_search.format_bytes(budget_bytes)}): the smallest {how} temp "
-      f"memory is {_search.format_bytes(smallest.memory)} "
+      f"({_budget.format_bytes(budget_bytes)}): the smallest {how} temp "
+      f"memory is {_budget.format_bytes(smallest.memory)} "
       f"({smallest.memory} bytes), with plan {smallest.plan_text()}. "
       "Raise the budget to at least that, or make the step smaller (batch, "
       "width).")

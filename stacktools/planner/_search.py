@@ -1,43 +1,35 @@
-"""What the remat planner searches: the auto stacks of a step and their candidates.
+"""What the remat planner searches: each auto stack's candidates, and the joint plans.
 
 Vocabulary:
 
-* a *stack* is any loop built with ``remat="auto"`` (a ``Stacked``,
-  ``BlockSeq`` or ``layer_stack`` named by its Haiku module name, or an
-  ``st.fold``/``st.scan`` named by the order in which it is traced);
+* a *stack* is any loop built with ``remat="auto"`` (``_stack_info.py``:
+  what one trace tells of it, and how it is keyed);
 * a *candidate* is one remat value for one stack: each alias, each name the
   block tags with ``checkpoint_name`` (and all of them), and per-depth mixes
   of two policies at a few split points;
 * a *plan* gives every stack a candidate (a *joint plan* where there are
   several stacks).
 
-While a step is traced, ``remat="auto"`` is answered by a context
-(``segments.plan_context``): :class:`_Discovery` records each stack and runs
-it ``"full"``; :class:`Fixed` answers with a chosen candidate per stack. In
-pseudo-code::
+The stacks come from one trace of the step (``_trace.py``). In pseudo-code::
 
-  traced = trace(step_fn, *args)          # stacks, each layer's trace, FLOPs
   per stack: candidates(stack), kept as only= says
   joint_plans(every stack's candidates)   # every combination, or uniform
 
-The planner's arguments are checked here too: the budget (:func:`parse_bytes`),
-``only=``, ``donate_argnums`` and ``measure=True``'s need for arrays.
+The planner's arguments are checked here too: ``only=``, ``donate_argnums``
+and ``measure=True``'s need for arrays (the budget is parsed in
+``_budget.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
-import re
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Optional, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
 import jax
 
 from stacktools.core import _checks
-from stacktools.core import _jaxpr
-from stacktools.planner import _cost_model
+from stacktools.planner import _stack_info
 from stacktools.remat import _nested_split
 from stacktools.remat import _policy
 from stacktools.remat import _segments
@@ -56,203 +48,26 @@ MIX_PAIRS = (("none", "full"), ("full", "nested"))
 #: The label of the reference candidate, compiled first.
 REFERENCE = "full"
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(budget: Union[int, str]) -> int:
-  """``"48MiB"`` -> 50331648; an int is returned as it is.
-
-  Example::
-
-    assert parse_bytes("1.5GiB") == 1610612736
-
-  Args:
-    budget: bytes as an int, or a number with a unit (B, KB, MB, GB, KiB,
-      MiB, GiB).
-
-  Returns:
-    The number of bytes.
-  """
-  if isinstance(budget, bool):
-    raise TypeError(f"budget={budget!r} is not a size; pass bytes or e.g. '48MiB'.")
-  if isinstance(budget, int):
-    if budget <= 0:
-      raise ValueError(f"budget={budget} must be a positive number of bytes.")
-    return budget
-  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
-  if not match or match.group(2).lower() not in _UNITS:
-    raise ValueError(
-        f"budget={budget!r} is not a size: pass bytes as an int, or a number "
-        "with a unit, e.g. '48MiB', '1.5GB' (units: B, KB, MB, GB, KiB, MiB, GiB).")
-  value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-  if value < 1:
-    raise ValueError(f"budget={budget!r} must be at least one byte.")
-  return int(value)
-
-
-class Budget(NamedTuple):
-  """A memory budget, parsed once where it enters the planner.
-
-  ``given`` is the value as the caller wrote it (errors quote it), ``bytes``
-  what it means.
-  """
-  given: Union[int, str]
-  bytes: int
-
-
-def parse_budget(budget: Union[int, str]) -> Budget:
-  """``"48MiB"`` -> ``Budget("48MiB", 50331648)``; see :func:`parse_bytes`."""
-  return Budget(budget, parse_bytes(budget))
-
-
-def format_bytes(n: float) -> str:
-  """Bytes as the report writes them: ``"48.00 MiB"``."""
-  return f"{n / 2**20:.2f} MiB"
-
-
-# ---------------------------------------------------------------------------
-# Contexts that answer remat="auto" while a step is traced.
-
-
-@dataclasses.dataclass(frozen=True)
-class StackInfo:
-  """A stack found by tracing: its key, depth and the names its block tags.
-
-  ``period`` is the layers in one step of its loop (a mixed-layer pattern's
-  length; 1 for a stack of one block): a nested split counts steps.
-  ``looped=False`` for a stack whose layers run unrolled (``BlockSeq``).
-  """
-
-  key: str
-  num_layers: int
-  tagged_names: tuple[str, ...]
-  period: int = 1
-  looped: bool = True
-
-
-class _Keys:
-  """Keys for loops: their own (Haiku module names) or ``loop_<k>`` by order."""
-
-  def __init__(self):
-    self._count = 0
-
-  def __call__(self, key: Optional[str]) -> str:
-    if key is not None:
-      return key
-    key, self._count = f"loop_{self._count}", self._count + 1
-    return key
-
-
-class _Discovery:
-  """Records every auto stack and its layers' traces; traces them as ``"full"``."""
-
-  def __init__(self):
-    self.stacks: dict[str, StackInfo] = {}
-    self.layers: dict[str, list[Any]] = {}
-    self._keys = _Keys()
-
-  def remat_for(self, key, length, probe, period=1, looped=True):
-    key = self._keys(key)
-    if key not in self.stacks:
-      with _jaxpr.recording_traces() as traces:   # one per kind of block
-        tagged = sorted(probe() - set(_policy.RESERVED_NAMES))
-      self.stacks[key] = StackInfo(key, length, tuple(tagged), period, looped)
-      self.layers[key] = traces
-    return _policy.REMAT_ALIASES[REFERENCE]
-
-
-class Fixed:
-  """Answers with a fixed choice per stack key."""
-
-  def __init__(self, choice: Mapping[str, Any]):
-    self.choice = choice
-    self._keys = _Keys()
-
-  def remat_for(self, key, length, probe, period=1, looped=True):
-    del length, probe, period, looped
-    key = self._keys(key)
-    if key not in self.choice:
-      raise ValueError(
-          f"remat='auto': the plan has no choice for the stack {key!r}; it "
-          f"plans {sorted(self.choice)}. Plan the same step function that you "
-          "trace under the plan (stacks are named by module name; pure loops "
-          "by the order in which they are traced).")
-    return self.choice[key]
-
-
-def under(context, fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` that runs under ``context``, whenever it is called or traced."""
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    with _segments.plan_context(context):
-      return fn(*args, **kwargs)
-  return wrapped
-
-
-@dataclasses.dataclass(frozen=True)
-class Traced:
-  """What one trace of the step tells the planner.
-
-  Attributes:
-    stacks: the auto stacks, in the order the step runs them.
-    models: stack key -> its cost model.
-    step_flops: FLOPs of the step with every stack ``"full"``.
-    jaxpr: the step's closed jaxpr, so traced.
-  """
-
-  stacks: tuple[StackInfo, ...]
-  models: Mapping[str, _cost_model.StackModel]
-  step_flops: int
-  jaxpr: Any
-
-  def text(self) -> str:
-    """The step's jaxpr as text: what a remembered plan is keyed on."""
-    return str(self.jaxpr)
-
-
-def trace(step_fn: Callable[..., Any], *args: Any) -> Traced:
-  """Traces ``step_fn(*args)`` once, abstractly: its auto stacks and models."""
-  context = _Discovery()
-  closed = jax.make_jaxpr(under(context, step_fn))(*args)
-  if not context.stacks:
-    raise ValueError(
-        "No stack in step_fn uses remat='auto', so there is nothing to plan. "
-        "Build the stacks to plan with remat='auto' (st.Stacked(..., "
-        "remat='auto')).")
-  models = {key: _cost_model.StackModel(info.num_layers,
-                                   [_cost_model.Layer(c, a) for c, a in context.layers[key]],
-                                   looped=info.looped)
-            for key, info in context.stacks.items()}
-  return Traced(stacks=tuple(context.stacks.values()), models=models,
-                step_flops=_jaxpr.jaxpr_flops(closed.jaxpr), jaxpr=closed)
-
-
-def discover(step_fn: Callable[..., Any], *args: Any) -> tuple[StackInfo, ...]:
-  """The stacks built with ``remat="auto"`` that ``step_fn(*args)`` runs."""
-  return trace(step_fn, *args).stacks
-
-
 # ---------------------------------------------------------------------------
 # Candidates and joint plans.
 
 
-def candidates(stack: StackInfo, *, offload: bool = True) -> dict[str, Any]:
+def candidates(stack: _stack_info.StackInfo, *, offload: bool = True) -> dict[str, Any]:
   """Every candidate remat value for one stack, by a short label.
 
   Example::
 
-    found = candidates(StackInfo("h", 8, ("mlp_hidden",)))
+    found = candidates(_stack_info.StackInfo("h", 8, ("mlp_hidden",)))
     # {"none": ..., "full": ..., ..., "save:mlp_hidden": ...,
     #  "none:2,full:6": per_depth(...), ...}
     assert {"full", "save:mlp_hidden", "none:2,full:6"} <= set(found)
-    deep = candidates(StackInfo("h", 64, ()))
+    deep = candidates(_stack_info.StackInfo("h", 64, ()))
     assert deep["nested(4,4)"] == _policy.CheckpointPolicy(nested=(4, 4))
-    unrolled = candidates(StackInfo("h", 8, (), looped=False))
+    unrolled = candidates(_stack_info.StackInfo("h", 8, (), looped=False))
     assert "nested" not in unrolled and "none:7,full:1" in unrolled
 
   Args:
-    stack: the stack, as :func:`discover` found it (an unrolled one gets no
+    stack: the stack, as ``_trace.discover`` found it (an unrolled one gets no
       nested candidates, and mixes split in eighths).
     offload: include ``"offload"`` (where the backend has host memory).
 

@@ -32,6 +32,8 @@ from stacktools.planner import _choose
 from stacktools.planner import _compile
 from stacktools.planner import _results
 from stacktools.planner import _search
+from stacktools.planner import _stack_info
+from stacktools.planner import _trace
 
 # The step planned in this process and in a second one (test_second_process).
 STEP_SOURCE = """
@@ -79,7 +81,7 @@ def test_kept_bytes_per_layer_are_what_each_added_layer_costs(label):
   temp, costs = {}, {}
   for n in (8, 12):
     step, args = make_step(num_layers=n)
-    traced = _search.trace(step, *args)
+    traced = _trace.trace(step, *args)
     remat = _search.candidates(traced.stacks[0])[label]
     costs[n] = traced.models["loop_0"].layers[0].cost(remat)
     temp[n] = _compile.compile_plan(step, args, {"loop_0": remat}).temp_bytes
@@ -94,7 +96,7 @@ def test_kept_bytes_per_layer_are_what_each_added_layer_costs(label):
 
 def test_offloaded_bytes_counted_apart():
   step, args = make_step()
-  traced = _search.trace(step, *args)
+  traced = _trace.trace(step, *args)
   (model,) = traced.models.values()
   cost = model.layers[0].cost(st.REMAT_ALIASES["offload"])
   # The carry goes to host memory; the layer's weight slice is read from
@@ -132,7 +134,7 @@ def test_predicted_flops_match_the_compiled_steps_jaxpr(compiled_report):
   for row in report.rows:
     (label,) = row.plan.values()
     remat = report.remats["loop_0"][label]
-    counted = _jaxpr.flops(_search.under(_search.Fixed({"loop_0": remat}), step),
+    counted = _jaxpr.flops(_results.under(_stack_info.Fixed({"loop_0": remat}), step),
                            *args)
     if ":" in label or label == "nested":
       # Seams add the gradients of slices; chunks recompute a little more.
@@ -144,8 +146,8 @@ def test_predicted_flops_match_the_compiled_steps_jaxpr(compiled_report):
 def test_every_plan_computes_the_uncheckpointed_step():
   step, (c, ws) = make_step(num_layers=4, batch=8)
   want = _python_grads(c, ws)
-  for label, remat in _search.candidates(_search.discover(step, c, ws)[0]).items():
-    got = jax.jit(_search.under(_search.Fixed({"loop_0": remat}), step))(c, ws)
+  for label, remat in _search.candidates(_trace.discover(step, c, ws)[0]).items():
+    got = jax.jit(_results.under(_stack_info.Fixed({"loop_0": remat}), step))(c, ws)
     # The reference (the Python loop) and the step are two programs: float32
     # sums fused in another order differ by a few parts in 1e5 (up to 4e-5
     # relative on jax 0.12, with the reference run op by op). A wrong plan is
@@ -227,7 +229,7 @@ def _fixed_timings(monkeypatch, seconds):
     (remat,) = choice.values()
     labels[id(compiled.executable)] = next(
         label for label, r in _search.candidates(
-            _search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
+            _stack_info.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
     return compiled
 
   monkeypatch.setattr(_compile, "time_runs", time_runs)
@@ -250,7 +252,7 @@ def test_timed_choice_follows_its_rule(monkeypatch, challenger_seconds, chosen):
 
 def _label_of(remat):
   return next(label for label, r in _search.candidates(
-      _search.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
+      _stack_info.StackInfo("loop_0", L, ("hidden",))).items() if r == remat)
 
 
 def test_a_refused_edge_check_leaves_a_compile_for_a_plan_that_fits(monkeypatch):

@@ -24,9 +24,12 @@ import pytest
 
 import stacktools as st
 from stacktools.core import _jaxpr
+from stacktools.planner import _budget
 from stacktools.planner import _compile
 from stacktools.planner import _results
 from stacktools.planner import _search
+from stacktools.planner import _stack_info
+from stacktools.planner import _trace
 from stacktools.remat import _segments
 
 L, D, B = 6, 8, 4
@@ -239,7 +242,7 @@ def one_stack_report():
 
 def test_candidates_found_by_tracing():
   step, params, x, _ = _auto_step()
-  (stack,) = _search.discover(step, params, x)
+  (stack,) = _trace.discover(step, params, x)
   assert (stack.key, stack.num_layers) == ("h0", L)
   assert stack.tagged_names == ("mlp_hidden", "mlp_out")
   labels = list(_search.candidates(stack))
@@ -274,7 +277,7 @@ def _auto_seq_step(stack_cls=st.BlockSeq, block=_TaggedBlock):
 
 def test_blockseq_auto_is_planned_as_unrolled_layers():
   step, params, x, _ = _auto_seq_step()
-  traced = _search.trace(step, params, x)
+  traced = _trace.trace(step, params, x)
   (stack,) = traced.stacks
   assert (stack.key, stack.num_layers, stack.looped) == ("h0", L, False)
   assert stack.tagged_names == ("mlp_hidden", "mlp_out")
@@ -289,7 +292,7 @@ def test_blockseq_auto_is_planned_as_unrolled_layers():
   none, full = (model.layer_cost(st.REMAT_ALIASES[a]) for a in ("none", "full"))
   mix = st.per_depth((2, "none"), (4, "full"))
   assert model.cost(mix).kept == 2 * none.kept + 4 * full.kept
-  stacked = _search.trace(*_auto_seq_step(st.Stacked)[:3]).models["h0"]
+  stacked = _trace.trace(*_auto_seq_step(st.Stacked)[:3]).models["h0"]
   assert stacked.cost(mix).kept > 2 * none.kept + 4 * full.kept
   # Each compiled row is the step compiled with its remat given to BlockSeq.
   report = st.remat_report(step, params, x, only=("none", "full", "none:3,full:3"),
@@ -351,7 +354,7 @@ def _deep_step(num_layers, pattern=None):
 
 def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
   step, params, x, model = _deep_step(64)
-  (stack,) = _search.discover(step, params, x)
+  (stack,) = _trace.discover(step, params, x)
   assert "nested(4,4)" in _search.candidates(stack)      # 4 + 4 + 4 carries
   assert not any(label.startswith("nested(") for label in _search.candidates(
       dataclasses.replace(stack, num_layers=16)))           # too shallow to pay
@@ -362,9 +365,9 @@ def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
   for row in rows.values():   # the cost model predicts the third level too
     assert abs(row.predicted_temp_bytes / row.temp_bytes - 1) < 0.1, row
   # It computes the un-checkpointed step.
-  want = jax.jit(_search.under(_search.Fixed({"h": "none"}), step))(params, x)
-  three_levels = _search.Fixed({"h": st.CheckpointPolicy(nested=(4, 4))})
-  got = jax.jit(_search.under(three_levels, step))(params, x)
+  want = jax.jit(_results.under(_stack_info.Fixed({"h": "none"}), step))(params, x)
+  three_levels = _stack_info.Fixed({"h": st.CheckpointPolicy(nested=(4, 4))})
+  got = jax.jit(_results.under(three_levels, step))(params, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -372,12 +375,12 @@ def test_deep_stacks_are_offered_a_third_level_that_keeps_fewer_carries():
 def test_a_patterns_third_level_splits_its_periods():
   # 128 layers of pattern "ab" loop over 64 periods: the split is 64's.
   step, params, x, _ = _deep_step(128, pattern="ab")
-  (stack,) = _search.discover(step, params, x)
+  (stack,) = _trace.discover(step, params, x)
   assert (stack.num_layers, stack.period) == (128, 2)
   assert "nested(4,4)" in _search.candidates(stack)
-  plan = _search.Fixed({"h": _search.candidates(stack)["nested(4,4)"]})
-  want = jax.jit(_search.under(_search.Fixed({"h": "none"}), step))(params, x)
-  got = jax.jit(_search.under(plan, step))(params, x)
+  plan = _stack_info.Fixed({"h": _search.candidates(stack)["nested(4,4)"]})
+  want = jax.jit(_results.under(_stack_info.Fixed({"h": "none"}), step))(params, x)
+  got = jax.jit(_results.under(plan, step))(params, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -456,7 +459,7 @@ def test_plan_chooses_fewest_flops_within_budget(one_stack_report):
   # And computes what the step computes with any fixed policy.
   with plan:
     value, grads = jax.jit(step)(params, x)
-  with _segments.plan_context(_search.Fixed({"h0": "none"})):
+  with _segments.plan_context(_stack_info.Fixed({"h0": "none"})):
     ref_value, ref_grads = jax.jit(lambda p, x: step(p, x))(params, x)
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
@@ -527,7 +530,7 @@ def test_pure_loops_keyed_by_trace_order():
     c = st.fold(_step, remat="auto")(c, ws)
     return jnp.sum(st.fold(_step, remat="auto")(c, ws))
   c = jnp.ones((B, D))
-  assert [s.key for s in _search.discover(jax.grad(step), c)] == ["loop_0", "loop_1"]
+  assert [s.key for s in _trace.discover(jax.grad(step), c)] == ["loop_0", "loop_1"]
   plan = st.plan_remat(jax.grad(step), c, budget=10**9, measure=False,
                        only=("full", "nested"))
   with plan:
@@ -539,13 +542,13 @@ def test_pure_loops_keyed_by_trace_order():
 @pytest.mark.parametrize("budget,expected", [
     (1000, 1000), ("48MiB", 48 * 2**20), ("1.5GB", 1_500_000_000), ("2 KiB", 2048)])
 def test_parse_bytes(budget, expected):
-  assert _search.parse_bytes(budget) == expected
+  assert _budget.parse_bytes(budget) == expected
 
 
 @pytest.mark.parametrize("budget", ["48 parsecs", "", "MiB", 0, -5, True])
 def test_parse_bytes_refuses(budget):
   with pytest.raises((ValueError, TypeError)):
-    _search.parse_bytes(budget)
+    _budget.parse_bytes(budget)
 
 
 # ---------------------------------------------------------------------------
@@ -571,7 +574,7 @@ def test_donated_arguments_are_planned_as_the_step_donates_them():
   assert len(compiled_rows) == 2, plan.report
   for row in compiled_rows:
     choice = {k: plan.report.remats[k][label] for k, label in row.plan.items()}
-    step = _search.under(_search.Fixed(choice), train_step)
+    step = _results.under(_stack_info.Fixed(choice), train_step)
     donating = jax.jit(step, donate_argnums=(0,)).lower(params, x).compile()
     keeping = jax.jit(step).lower(params, x).compile()
     assert row.temp_bytes == donating.memory_analysis().temp_size_in_bytes, row
