@@ -21,9 +21,11 @@ The parameter tree stays the plain stack's (a leading ``num_layers`` axis),
 so checkpoints move between pipelined and plain runs unchanged.
 
 This module holds the configuration only. The tables of the schedules are
-in ``_schedules.py``; the loops that run them in ``_run_stack.py`` (gpipe,
-circular, and the checks of a pipelined stack) and ``_run_with_loss.py``
-(the schedules that compute the loss), over the layouts of ``_stages.py``.
+in ``_schedules.py``; the loops that run them in ``_run_forward.py`` (gpipe,
+circular) and ``_run_with_loss.py`` (the schedules that compute the loss,
+with the parts around the stack of ``_ends.py``), over the layouts of
+``_stages.py``. The checks of a pipelined stack, the choice of its loop and
+the chunk of layers a stage runs are ``stacks/_run_stacked.py``'s.
 """
 
 from __future__ import annotations

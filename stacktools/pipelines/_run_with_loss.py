@@ -5,7 +5,7 @@ The ``1f1b``, ``interleaved`` (1F1B over circular's chunks) and ``zb``
 forwards, as soon as its forward has left the last stage, so a stage holds a
 bounded number of microbatches whatever M is. The loss is computed inside
 too: ``embed`` on the first virtual stage, ``head`` on the last, per
-microbatch (:class:`Ends`), and the loop returns the loss with its
+microbatch (``_ends.Ends``), and the loop returns the loss with its
 gradients (:func:`with_gradients`), so that an outer ``jax.grad`` gets them
 as if it had differentiated the loop itself.
 
@@ -32,34 +32,13 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from stacktools.core import _checks
+from stacktools.pipelines import _ends
 from stacktools.pipelines import _pipeline
 from stacktools.pipelines import _schedules
 from stacktools.pipelines import _stages
-from stacktools.remat import _loops
-from stacktools.remat import _policy
 from stacktools.step import _layer_step
 
 PyTree = Any
-
-
-class Ends(NamedTuple):
-  """The parts around a stack that a 1F1B pipeline runs per microbatch.
-
-  ``embed(embed_params, inputs) -> x`` runs on the first stage and
-  ``head(head_params, x, targets) -> loss`` (a scalar: the microbatch's mean)
-  on the last; both are pure. ``broadcast`` holds the block's broadcast
-  arguments and ``with_broadcast(values)`` a context in which the block
-  sees ``values`` instead, so that their gradients come out too.
-  """
-
-  embed: Callable[..., PyTree]
-  head: Callable[..., jax.Array]
-  embed_params: PyTree
-  head_params: PyTree
-  inputs: PyTree
-  targets: PyTree
-  broadcast: PyTree
-  with_broadcast: Callable[[PyTree], Any]
 
 
 # ---------------------------------------------------------------------------
@@ -104,9 +83,8 @@ def with_gradients(value: jax.Array, pairs: list[tuple[PyTree, PyTree]]) -> jax.
 # The loop: forward and backward of every microbatch, the loss inside.
 
 
-def run_with_loss(step: _loops.Step, layers: _layer_step.LayerSlice, ends: Ends, *,
-                  pipeline: _pipeline.Pipeline, stages: int,
-                  policy: _policy.CheckpointPolicy, unroll: Any
+def run_with_loss(chunk: Callable[..., Any], layers: _layer_step.LayerSlice,
+                  ends: _ends.Ends, *, pipeline: _pipeline.Pipeline, stages: int
                   ) -> tuple[jax.Array, PyTree, PyTree]:
   """Runs embed, the layers and head as a 1F1B-family pipeline; ``(loss, ys, state)``.
 
@@ -132,6 +110,21 @@ def run_with_loss(step: _loops.Step, layers: _layer_step.LayerSlice, ends: Ends,
   (cyclic when interleaved: the last stage's chunk feeds the first stage's
   next chunk).
 
+  Args:
+    chunk: how a stage runs one chunk of its layers on one microbatch,
+      ``chunk(x, local, state, repeat, microbatch) -> (x, results)``:
+      ``local`` the stage's layers (each leaf ``[R, K, ...]``), ``state``
+      chunk ``repeat``'s per-layer state (``[K, ...]``), ``results`` every
+      layer's result stacked (``[K, ...]``), their first two fields the
+      layers' ``y`` and new state (the stack's engine loop over the chunk,
+      with its step, policy and unroll; differentiable: the backward is its
+      ``jax.vjp``).
+    layers: every layer's params, state, apply key, per-layer arguments and
+      index, each with a leading ``num_layers`` axis.
+    ends: ``embed``, ``head`` and what they take (``_ends.prepare_ends``).
+    pipeline: the configuration (``1f1b``, ``interleaved`` or ``zb``).
+    stages: P (> 1).
+
   Returns:
     The mean of the microbatches' losses, carrying the gradients of the
     layers' parameters and per-layer arguments, the broadcast arguments and
@@ -151,11 +144,11 @@ def run_with_loss(step: _loops.Step, layers: _layer_step.LayerSlice, ends: Ends,
   outer = (layers.params, layers.sliced, ends.embed_params, ends.head_params,
            ends.broadcast)
   x_shape, loss_shape = _microbatch_shapes(ends, inputs, targets, pipeline)
-  loop = _Loop(functools.partial(_stages.stage_chunk, step, policy, unroll), ends,
-               pipeline, stages, table.weight is not None, table.slots, x_shape, loss_shape)
+  loop = _Loop(chunk, ends, pipeline, stages, table.weight is not None, table.slots,
+               x_shape, loss_shape)
 
   spec, whole = PartitionSpec(axis), PartitionSpec()
-  # check_vma=False: as in _run_stack.run, the buffers start equal on every stage
+  # check_vma=False: as in _run_forward.run, the buffers start equal on every stage
   # and vary by stage once a ppermute has filled them.
   mapped = jax.shard_map(
       functools.partial(_per_device, loop), mesh=pipeline.mesh,
@@ -193,7 +186,7 @@ def _op_codes(table: _schedules.Schedule) -> np.ndarray:
   return ops.astype(np.int32)
 
 
-def _microbatch_shapes(ends: Ends, inputs: PyTree, targets: PyTree,
+def _microbatch_shapes(ends: _ends.Ends, inputs: PyTree, targets: PyTree,
                        pipeline: _pipeline.Pipeline) -> tuple[PyTree, jax.ShapeDtypeStruct]:
   """The shapes of ``embed``'s output and of ``head``'s loss on one microbatch.
 
@@ -220,8 +213,8 @@ def _zeros_like(tree: PyTree) -> PyTree:
 class _Loop(NamedTuple):
   """What every device's loop shares (fixed when the step is traced)."""
 
-  chunk: Callable[..., Any]   # _stages.stage_chunk with the stack's step and policy
-  ends: Ends
+  chunk: Callable[..., Any]   # one chunk of the stage's layers (run_with_loss's chunk)
+  ends: _ends.Ends
   pipeline: _pipeline.Pipeline
   stages: int
   split: bool                 # zb: a backward is an input half, then a weight half

@@ -1,7 +1,7 @@
 """The schedule tables of a pipeline, as data: what every stage does at every tick.
 
 Pure numpy, no JAX: a table is built once, when the step is traced, and the
-tick loops (``_run_stack.py``, ``_run_with_loss.py``) read it as arrays.
+tick loops (``_run_forward.py``, ``_run_with_loss.py``) read it as arrays.
 
 The words: P *stages* (the devices along the pipe axis), M *microbatches*
 (pieces of the batch), R *repeats* (the chunks of layers each stage holds;

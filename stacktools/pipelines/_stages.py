@@ -1,12 +1,13 @@
-"""A stack laid out for a pipeline's stages, and one stage's chunk of layers.
+"""A stack laid out for a pipeline's stages: layers, microbatches, writes.
 
 The plain stack's trees have a leading Layers axis ``[L, ...]`` and a batch
 ``[B, ...]``; a pipeline over P stages with R repeats reads them as
 ``[P, R, K, ...]`` (stage ``s``, repeat ``r``: the ``K = L/(R*P)`` layers of
 chunk ``r*P + s``) and ``[M, B/M, ...]`` (M microbatches). Both tick loops
-(``_run_stack.py``, ``_run_with_loss.py``) regroup with these layouts and
-run a chunk with :func:`stage_chunk`, the engine's loop over its K layers,
-and write into their per-stage buffers with :func:`put`.
+(``_run_forward.py``, ``_run_with_loss.py``) regroup with these layouts, pin
+the layers to the pipe axis with :func:`on_pipe` and write into their
+per-stage buffers with :func:`put`; the chunk each stage runs over its K
+layers is the caller's (``stacks/_run_stacked.py``'s ``stage_chunk``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from jax.sharding import PartitionSpec
 
 from stacktools.core import _checks
 from stacktools.pipelines import _pipeline
-from stacktools.remat import _loops
-from stacktools.remat import _policy
-from stacktools.step import _layer_step
 
 PyTree = Any
 
@@ -114,7 +112,7 @@ def put_tree(buffers: PyTree, values: PyTree, *index: Union[int, jax.Array, slic
 
 
 # ---------------------------------------------------------------------------
-# A stage's layers: pinned to the pipe axis, run by the engine.
+# A stage's layers: pinned to the pipe axis.
 
 
 def on_pipe(tree: PyTree, pipeline: _pipeline.Pipeline) -> PyTree:
@@ -130,45 +128,3 @@ def on_pipe(tree: PyTree, pipeline: _pipeline.Pipeline) -> PyTree:
               else jax.sharding.NamedSharding(pipeline.mesh, spec))
     return lax.with_sharding_constraint(a, target)
   return jax.tree_util.tree_map(one, tree)
-
-
-def stage_chunk(step: _loops.Step, policy: _policy.CheckpointPolicy, unroll: Any,
-                x_in: PyTree, local: _layer_step.LayerSlice, state: PyTree,
-                repeat: Union[int, jax.Array], microbatch: Union[int, jax.Array]
-                ) -> tuple[PyTree, Any]:
-  """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
-
-  Each layer's parameters are picked from the stage's ``[R, K, ...]``
-  arrays inside the layer's step, that is inside its checkpoint: the
-  backward pass then keeps the stage's own parameters once (a loop
-  invariant) rather than a copy of every chunk at every tick.
-
-  Args:
-    step: one layer, ``step(carry, layer_slice) -> (carry, result)``, the
-      result's first two fields the layer's ``y`` and new state.
-    policy: the checkpoint policy of every layer.
-    unroll: the stack's unroll, for the scan over the chunk's layers.
-    x_in: the microbatch's carry.
-    local: the stage's layers, each leaf ``[R, K, ...]``.
-    state: chunk ``repeat``'s per-layer state, ``[K, ...]``.
-    repeat: which of the stage's R chunks runs.
-    microbatch: which microbatch, to draw its own keys.
-
-  Returns:
-    ``(carry, results)`` of the engine's loop over the K layers: the
-    carry after the last, and every layer's result stacked (``[K, ...]``).
-  """
-  def layer_step(carry, xs):
-    k, layer_state = xs
-    pick = lambda a: a[repeat, k]  # noqa: E731
-    rng = None
-    if local.rng is not None:   # a fresh key per microbatch, the same on every stage
-      rng = jax.random.fold_in(pick(local.rng), microbatch)
-    layer = _layer_step.LayerSlice(
-        jax.tree_util.tree_map(pick, local.params), layer_state, rng,
-        jax.tree_util.tree_map(pick, local.sliced), pick(local.index))
-    return step(carry, layer)
-
-  chunk_size = local.index.shape[1]
-  return _loops.loop(layer_step, x_in, (jnp.arange(chunk_size), state), chunk_size,
-                    policy, unroll)

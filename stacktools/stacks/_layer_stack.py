@@ -1,8 +1,8 @@
 """``layer_stack``: a drop-in for ``hk.layer_stack`` on the same engine.
 
 Same calling conventions, parameter and state names as Haiku's; the layers
-run through :func:`stacktools.stacks._stacked.run_stacked`, as ``Stacked``'s do, as a
-stack of one block.
+run through :func:`stacktools.stacks._run_stacked.run_stacked`, as ``Stacked``'s
+do, as a stack of one block.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import haiku as hk
 from stacktools.core import _checks
 from stacktools.remat import _policy
 from stacktools.remat import _segments
-from stacktools.stacks import _stacked
+from stacktools.stacks import _run_stacked
 from stacktools.step import _arguments
 from stacktools.step import _layer_step
 from stacktools.step import _pattern
@@ -31,8 +31,9 @@ class _LayerStackScope(hk.Module):
       # A plan tells stacks apart by their unique module name.
       remat = _segments.AutoRemat(self.module_name)
     with _checks.subject("layer_stack"):
-      return _stacked.run_stacked({_pattern.ONE_KIND: _layer_step.make_inner(block_call, arguments)},
-                         x, arguments, remat=remat, **config)
+      return _run_stacked.run_stacked(
+          {_pattern.ONE_KIND: _layer_step.make_inner(block_call, arguments)},
+          x, arguments, remat=remat, **config)
 
 
 def _check_no_varargs(f: Callable[..., Any]) -> None:

@@ -1,21 +1,10 @@
-"""Haiku: a repeated block's parameters stacked on a Layers axis, one scan.
+"""``Stacked``: a repeated block's parameters stacked on a Layers axis, one scan.
 
-``Stacked`` (and ``layer_stack``, in ``_layer_stack.py``) run a block through the
-same machinery:
-
-1. The block is wrapped in an inner ``hk.transform_with_state``.
-2. Init is ``jax.vmap(inner.init)`` over one key per layer, lifted into the
-   outer transform with ``hk.transparent_lift_with_state``, so that every
-   parameter and state leaf gains a leading ``num_layers`` axis.
-3. Apply is the engine (``_loops.py``) over :class:`LayerSlice` (params,
-   state, rng, per-layer arguments, layer index) with ``inner.apply`` as the
-   step, running the loop plan of the stack's ``remat=``. A stack of one
-   block is a pattern of one kind, period 1; a mixed-layer stack keeps one
-   parameter stack per kind (``h/<kind>/...``) and the same engine loops over
-   its periods.
-4. The per-layer state that comes out of the scan goes back to Haiku through
-   the lift's state updater, which knows the module's unique name (so two
-   stacks with the same requested name keep their state apart).
+Holds the module a model writes (``loss`` and ``scan_loss`` its own,
+``fold`` and ``scan`` those of ``_stack_module.StackModule``) and the checks
+of its ``pipeline=`` at construction. Its layers run through
+``_run_stacked.run_stacked``, as ``layer_stack``'s do (``_layer_stack.py``):
+one vmapped init per kind, then the engine's loop, or a pipeline.
 """
 
 from __future__ import annotations
@@ -25,106 +14,16 @@ from typing import Any, Optional, Union
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from stacktools.core import _checks
 from stacktools.pipelines import _pipeline
-from stacktools.pipelines import _run_stack
-from stacktools.remat import _loops
 from stacktools.remat import _policy
-from stacktools.remat import _segments
+from stacktools.stacks import _run_stacked
 from stacktools.stacks import _stack_module
 from stacktools.step import _arguments
-from stacktools.step import _layer_step
 from stacktools.step import _pattern
 
 PyTree = Any
-
-
-class _KindParams(hk.Module):
-  """The scope of one kind's parameters and state: ``<stack>/<kind>/...``."""
-
-  def __call__(self, inner, init_keys, x, sliced, indices):
-    return _layer_step.lift_layers(inner, init_keys, x, sliced, indices)
-
-
-def run_stacked(inners: Mapping[str, hk.TransformedWithState], x: PyTree,
-                arguments: _arguments.BlockArguments, *, pattern: _pattern.Pattern,
-                mode: str, remat: Any, unroll: Union[int, bool], reverse: bool,
-                pipeline: Optional[_pipeline.Pipeline] = None,
-                layer_drop: Optional[np.ndarray] = None,
-                ends: Optional[tuple[Any, ...]] = None) -> tuple[PyTree, PyTree]:
-  """Inits (vmapped, per kind) and applies (the engine) a stack.
-
-  Call inside the stack's module. A stack of one block is the pattern of one
-  kind, period 1, whose parameters live directly under the stack's name; a
-  mixed-layer stack's kinds each live under ``<stack>/<kind>/``. Layer ``i``
-  gets the ``i``-th of the stack's per-layer keys at init and at apply, as in
-  ``BlockSeq``.
-
-  With ``layer_drop`` (per-layer rates), each step skips its layer at random
-  (see :func:`stacktools.step._layer_step.droppable`), at apply only.
-
-  With a ``pipeline`` and a mesh whose pipe axis is larger than 1, apply runs
-  the layers as that pipeline; init (never differentiated, never split) runs
-  them as a plain stack.
-
-  With ``ends = (embed, head, inputs, targets)`` (:meth:`Stacked.loss`) the
-  carry is ``embed(inputs)`` and the result ``(head(x, targets), ys)``; a
-  ``1f1b``, ``interleaved`` or ``zb`` pipeline runs all three per microbatch
-  in its own loop.
-  """
-  n = pattern.num_layers
-  stages = pipeline.stages() if pipeline is not None else 1
-  pipelined = stages > 1 and not hk.running_init()   # init runs the plain stack
-  loop_ends = None
-  if pipelined and pipeline.computes_loss:
-    # The pipeline runs embed and head in its loop: the carry is only a shape
-    # here, and nothing is left to finish after it.
-    x, loop_ends = _run_stack.prepare_ends(pipeline, ends, arguments)
-    ends = None
-  elif ends is not None:
-    embed, _, inputs, _ = ends
-    x = embed(inputs)
-  keys = _layer_step.draw_layer_keys(n)
-  xs, updaters = _layer_step.lift_kinds(
-      inners, x, arguments, pattern, keys,
-      lambda kind: _layer_step.lift_layers if pattern.is_plain else _KindParams(name=kind))
-  rates = _layer_step.drop_rates(layer_drop, keys)
-  steps = {kind: _layer_step.droppable(
-      _layer_step.checked_step(inners[kind], mode, arguments,
-                               None if pattern.is_plain else kind), rates)
-           for kind in pattern.names}
-  plan = _segments.plan_for(
-      steps, x, xs, pattern, remat, reverse=reverse, init=hk.running_init(),
-      tags=lambda: _layer_step.kind_tags(pattern, inners, x, arguments))
-  if pipelined:
-    x, ys = _run_stack.run_stack(steps, x, xs, updaters, plan, pipeline=pipeline,
-                                 stages=stages, num_layers=n, arguments=arguments,
-                                 unroll=unroll, ends=loop_ends)
-    return _finish(x, ys, ends)
-  x, results = _loops.run(steps, x, xs, pattern, plan, unroll=unroll)
-  for kind in pattern.names:
-    updaters[kind].update(results[kind].state)
-  if mode == "fold":
-    return _finish(x, None, ends)
-  ys = arguments.with_writes(pattern.outputs({k: r.y for k, r in results.items()}),
-                             {k: r.writes for k, r in results.items()}, pattern)
-  return _finish(x, ys, ends)
-
-
-def _finish(x: PyTree, ys: PyTree, ends: Optional[tuple[Any, ...]]) -> tuple[PyTree, PyTree]:
-  """``(x, ys)``; with ``ends``, ``(head(x, targets), ys)`` as :meth:`Stacked.loss`
-  returns it (``ys`` without a gradient, as a 1F1B pipeline gives them)."""
-  if ends is None:
-    return x, ys
-  _, head, _, targets = ends
-  return head(x, targets), None if ys is None else jax.lax.stop_gradient(ys)
-
-
-# ---------------------------------------------------------------------------
-# Stacked.
 
 
 class Stacked(_stack_module.StackModule):
@@ -295,9 +194,10 @@ class Stacked(_stack_module.StackModule):
                  arguments: _arguments.BlockArguments, pattern: _pattern.Pattern,
                  mode: str, ends: Optional[tuple[Any, ...]] = None
                  ) -> tuple[PyTree, PyTree]:
-    return run_stacked(inners, x, arguments, pattern=pattern, mode=mode,
-                       remat=self.remat, unroll=self.unroll, reverse=self.reverse,
-                       pipeline=self.pipeline, layer_drop=self.layer_drop, ends=ends)
+    return _run_stacked.run_stacked(
+        inners, x, arguments, pattern=pattern, mode=mode, remat=self.remat,
+        unroll=self.unroll, reverse=self.reverse, pipeline=self.pipeline,
+        layer_drop=self.layer_drop, ends=ends)
 
 
 def _check_pipeline(pipeline: Any, pattern: Any,
