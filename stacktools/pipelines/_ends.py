@@ -59,7 +59,7 @@ def prepare_ends(pipeline: _pipeline.Pipeline, ends: Optional[tuple[Any, ...]],
 
   Returns:
     Zeros shaped as the whole batch's carry (the pipeline embeds each
-    microbatch itself), and their :class:`Ends`.
+    microbatch itself), and the parts as :class:`Ends`.
 
   Raises:
     ValueError: without ``ends``: such a pipeline needs the loss inside.

@@ -24,8 +24,9 @@ This module holds the configuration only. The tables of the schedules are
 in ``_schedules.py``; the loops that run them in ``_run_forward.py`` (gpipe,
 circular) and ``_run_with_loss.py`` (the schedules that compute the loss,
 with the parts around the stack of ``_ends.py``), over the layouts of
-``_stages.py``. The checks of a pipelined stack, the choice of its loop and
-the chunk of layers a stage runs are ``stacks/_run_stacked.py``'s.
+``_stages.py``. The checks only the mesh can tell, the choice of a pipelined
+stack's loop and the chunk of layers a stage runs are
+``stacks/_run_stacked.py``'s.
 """
 
 from __future__ import annotations

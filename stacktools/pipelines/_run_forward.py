@@ -20,7 +20,6 @@ is why a circular schedule needs ``M >= P``. Every stage computes every tick
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -37,18 +36,13 @@ from stacktools.step import _layer_step
 PyTree = Any
 
 
-def run(chunk: Callable[..., Any], x: PyTree, layers: _layer_step.LayerSlice, *,
+def run(chunk: _stages.Chunk, x: PyTree, layers: _layer_step.LayerSlice, *,
         pipeline: _pipeline.Pipeline, stages: int) -> tuple[PyTree, PyTree, PyTree]:
   """Runs every layer as a pipeline, a chunk at a time; returns ``(x, ys, state)``.
 
   Args:
-    chunk: how a stage runs one chunk of its layers on one microbatch,
-      ``chunk(x, local, state, repeat, microbatch) -> (x, results)``:
-      ``local`` the stage's layers (each leaf ``[R, K, ...]``), ``state``
-      chunk ``repeat``'s per-layer state (``[K, ...]``), ``results`` every
-      layer's result stacked (``[K, ...]``), their first two fields the
-      layers' ``y`` and new state (the stack's engine loop over the chunk,
-      with its step, policy and unroll).
+    chunk: how a stage runs one chunk of its layers on one microbatch
+      (:data:`_stages.Chunk`).
     x: the carry, batch-major ``[B, ...]`` in every leaf.
     layers: every layer's params, state, apply key, per-layer arguments and
       index, each with a leading ``num_layers`` axis.
@@ -87,7 +81,7 @@ def run(chunk: Callable[..., Any], x: PyTree, layers: _layer_step.LayerSlice, *,
   return new_x, ys, new_state
 
 
-def _checked_ys_shape(chunk: Callable[..., Any], xs: PyTree,
+def _checked_ys_shape(chunk: _stages.Chunk, xs: PyTree,
                       staged: _layer_step.LayerSlice) -> PyTree:
   """The shapes of one chunk's ``ys`` on one microbatch (``[K, mb, ...]``).
 
@@ -118,13 +112,13 @@ class _Device(NamedTuple):
 
   stage: jax.Array                 # this device's index on the pipe axis
   layers: _layer_step.LayerSlice       # its stage's layers, [R, K, ...]
-  chunk: Callable[..., Any]        # one chunk of the stage's layers (run's chunk)
+  chunk: _stages.Chunk             # one chunk of the stage's layers (run's chunk)
   table: tuple[jax.Array, ...]     # microbatch, repeat, busy: [ticks, P]
   axis: str
   stages: int
 
 
-def _per_device(chunk: Callable[..., Any], ys_shape: PyTree,
+def _per_device(chunk: _stages.Chunk, ys_shape: PyTree,
                 pipeline: _pipeline.Pipeline, stages: int, xs: PyTree,
                 staged: _layer_step.LayerSlice, micro_idx: jax.Array, repeat_idx: jax.Array,
                 busy: jax.Array) -> tuple[PyTree, PyTree, PyTree]:

@@ -83,7 +83,7 @@ def with_gradients(value: jax.Array, pairs: list[tuple[PyTree, PyTree]]) -> jax.
 # The loop: forward and backward of every microbatch, the loss inside.
 
 
-def run_with_loss(chunk: Callable[..., Any], layers: _layer_step.LayerSlice,
+def run_with_loss(chunk: _stages.Chunk, layers: _layer_step.LayerSlice,
                   ends: _ends.Ends, *, pipeline: _pipeline.Pipeline, stages: int
                   ) -> tuple[jax.Array, PyTree, PyTree]:
   """Runs embed, the layers and head as a 1F1B-family pipeline; ``(loss, ys, state)``.
@@ -111,14 +111,8 @@ def run_with_loss(chunk: Callable[..., Any], layers: _layer_step.LayerSlice,
   next chunk).
 
   Args:
-    chunk: how a stage runs one chunk of its layers on one microbatch,
-      ``chunk(x, local, state, repeat, microbatch) -> (x, results)``:
-      ``local`` the stage's layers (each leaf ``[R, K, ...]``), ``state``
-      chunk ``repeat``'s per-layer state (``[K, ...]``), ``results`` every
-      layer's result stacked (``[K, ...]``), their first two fields the
-      layers' ``y`` and new state (the stack's engine loop over the chunk,
-      with its step, policy and unroll; differentiable: the backward is its
-      ``jax.vjp``).
+    chunk: how a stage runs one chunk of its layers on one microbatch
+      (:data:`_stages.Chunk`).
     layers: every layer's params, state, apply key, per-layer arguments and
       index, each with a leading ``num_layers`` axis.
     ends: ``embed``, ``head`` and what they take (``_ends.prepare_ends``).
@@ -213,7 +207,7 @@ def _zeros_like(tree: PyTree) -> PyTree:
 class _Loop(NamedTuple):
   """What every device's loop shares (fixed when the step is traced)."""
 
-  chunk: Callable[..., Any]   # one chunk of the stage's layers (run_with_loss's chunk)
+  chunk: _stages.Chunk        # one chunk of the stage's layers (run_with_loss's chunk)
   ends: _ends.Ends
   pipeline: _pipeline.Pipeline
   stages: int

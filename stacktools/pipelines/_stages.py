@@ -7,11 +7,13 @@ chunk ``r*P + s``) and ``[M, B/M, ...]`` (M microbatches). Both tick loops
 (``_run_forward.py``, ``_run_with_loss.py``) regroup with these layouts, pin
 the layers to the pipe axis with :func:`on_pipe` and write into their
 per-stage buffers with :func:`put`; the chunk each stage runs over its K
-layers is the caller's (``stacks/_run_stacked.py``'s ``stage_chunk``).
+layers is the caller's (:data:`Chunk`, ``stacks/_run_stacked.py``'s
+``stage_chunk``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 import jax
@@ -23,6 +25,23 @@ from stacktools.core import _checks
 from stacktools.pipelines import _pipeline
 
 PyTree = Any
+
+#: How a stage runs one chunk of its layers on one microbatch, what both
+#: tick loops are handed (``stacks/_run_stacked.py``'s ``stage_chunk``: the
+#: stack's engine loop over the chunk, with its step, policy and unroll)::
+#:
+#:   chunk(x_in, local, state, repeat, microbatch) -> (carry, results)
+#:
+#: ``x_in`` is the microbatch's carry; ``local`` the stage's layers (a
+#: ``LayerSlice``, each leaf ``[R, K, ...]``); ``state`` chunk ``repeat``'s
+#: per-layer state (``[K, ...]``); ``repeat`` which of the stage's R chunks
+#: runs, ``microbatch`` which microbatch (to draw its own keys). It
+#: returns the carry after the chunk's last layer and every layer's result
+#: stacked (``[K, ...]``), their first two fields the layers' ``y`` and new
+#: state. It is differentiable: ``_run_with_loss.py``'s backward is its
+#: ``jax.vjp``.
+Chunk = Callable[[PyTree, Any, PyTree, Union[int, jax.Array], Union[int, jax.Array]],
+                 tuple[PyTree, Any]]
 
 
 # ---------------------------------------------------------------------------

@@ -111,38 +111,32 @@ class CandidatePlans(Protocol):
   for what each attribute and method means).
   """
 
-  plans: Sequence[Mapping[str, str]]
-  predicted: Sequence[_cost_model.Prediction]
-  traced: _cost_model.Traced
-  compiled: Mapping[int, Any]   # plan -> its compile (``.executable``)
-  compile_times: Mapping[int, float]
-  times: Mapping[int, list[float]]
-  unrunnable: set[int]
+  @property
+  def plans(self) -> Sequence[Mapping[str, str]]: ...
+  @property
+  def predicted(self) -> Sequence[_cost_model.Prediction]: ...
+  @property
+  def traced(self) -> _cost_model.Traced: ...
+  @property
+  def compiled(self) -> Mapping[int, Any]: ...   # plan -> its compile (``.executable``)
+  @property
+  def compile_times(self) -> Mapping[int, float]: ...
+  @property
+  def times(self) -> Mapping[int, list[float]]: ...
+  @property
+  def unrunnable(self) -> set[int]: ...
 
-  def choice(self, plan: Mapping[str, str]) -> dict[str, Any]:
-    """Stack key -> remat value of ``plan`` (stack key -> label)."""
-
-  def reference(self) -> int:
-    """The plan compiled first, which calibrates every prediction."""
-
-  def temp(self, i: int) -> int:
-    """Plan ``i``'s compiled temp bytes, else the calibrated prediction."""
-
-  def compile(self, i: int, *, memory_only: bool = False) -> Any:
-    """Compiles plan ``i`` (once; a memory-only compile is redone to time it)."""
-
-  def time(self, indices: Sequence[int], repeats: int) -> None:
-    """Times plans (compiling them for speed first), interleaved."""
-
-  def row(self, i: int) -> _results.ReportRow:
-    """Plan ``i`` as a report row."""
-
+  def choice(self, plan: Mapping[str, str]) -> dict[str, Any]: ...
+  def reference(self) -> int: ...
+  def temp(self, i: int) -> int: ...
+  def compile(self, i: int, *, memory_only: bool = False) -> Any: ...
+  def time(self, indices: Sequence[int], repeats: int) -> None: ...
+  def row(self, i: int) -> _results.ReportRow: ...
   def report(self, *, budget: Optional[int], chosen: Optional[int] = None,
-             decision: str = "", seconds: float = 0.0) -> _results.RematReport:
-    """The report of every plan so far, row ``chosen`` marked as chosen."""
+             decision: str = "", seconds: float = 0.0) -> _results.RematReport: ...
 
 
-class _Budget:
+class _Fits:
   """Which plans fit the budget, compiling only what the prediction leaves open.
 
   A plan predicted more than ``MARGIN`` over the budget does not fit; one
@@ -190,7 +184,7 @@ class _Budget:
     return next((i for i in ranked if self.fits(i, timed)), None)
 
 
-def _challenger(plans: CandidatePlans, budget: _Budget,
+def _challenger(plans: CandidatePlans, fitting: _Fits,
                 reference: int) -> Optional[int]:
   """The plan timed against the reference: the fewest FLOPs that fit among
   the one-loop plans with fewer FLOPs than it, else among any such plans."""
@@ -202,9 +196,9 @@ def _challenger(plans: CandidatePlans, budget: _Budget,
   one_loop = [i for i in cheaper if all(
       _cost_model.single_loop(r) or not looped[key]
       for key, r in plans.choice(plans.plans[i]).items())]
-  challenger = budget.fewest_flops(one_loop, timed=True)
+  challenger = fitting.fewest_flops(one_loop, timed=True)
   if challenger is None:
-    challenger = budget.fewest_flops(cheaper, timed=True)
+    challenger = fitting.fewest_flops(cheaper, timed=True)
   return challenger
 
 
@@ -259,7 +253,7 @@ def choose(plans: CandidatePlans, *, budget: _budget.Budget, measure: bool,
   budget_bytes = budget.bytes
   reference = plans.reference()
   plans.compile(reference, memory_only=not measure)   # calibrates the rest
-  fitting = _Budget(plans, budget_bytes)
+  fitting = _Fits(plans, budget_bytes)
   if not measure or not fitting.fits(reference):
     pick = _compiled_within(plans, fitting, fitting.fewest_flops(range(len(plans.plans))))
     decision = "the fewest predicted FLOPs that fit"
@@ -279,7 +273,7 @@ def choose(plans: CandidatePlans, *, budget: _budget.Budget, measure: bool,
   return report
 
 
-def _compiled_within(plans: CandidatePlans, fitting: _Budget,
+def _compiled_within(plans: CandidatePlans, fitting: _Fits,
                      pick: Optional[int]) -> Optional[int]:
   """``pick``, compiled to check that it fits, else the next plan by FLOPs
   that does: a plan is never returned on its prediction alone.
@@ -287,7 +281,7 @@ def _compiled_within(plans: CandidatePlans, fitting: _Budget,
   The prediction's error can exceed ``MARGIN`` (a mixed-precision GPT's
   ``none`` compiled 15% over its prediction on a CPU), and a plan returned
   over the budget is the one failure the budget is there to prevent. Each
-  plan a compile shows over the budget no longer fits (``_Budget.fits``
+  plan a compile shows over the budget no longer fits (``_Fits.fits``
   reads its compiled bytes), so the search moves on; the reference is
   compiled already, so it ends.
   """

@@ -11,9 +11,9 @@ plan of a step, predicted once from the trace, then compiled and timed as
 the caller asks; the first program compiled calibrates every prediction (it
 tells what the step holds besides its stacks). The entry points
 (``_remat_report.py``, ``_plan_remat.py``) build it from the step's trace;
-``_remat_report.py`` compiles the reference or every plan through it, or hands
-it to ``_choose.py``, which compiles a few; then :meth:`Candidates.report`
-freezes it into a ``RematReport``.
+``_remat_report.py`` compiles the reference or every plan through it; under
+a budget, both hand it to ``_choose.py``, which compiles a few; then
+:meth:`Candidates.report` freezes it into a ``RematReport``.
 """
 
 from __future__ import annotations

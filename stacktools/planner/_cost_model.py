@@ -31,8 +31,8 @@ In pseudo-code::
                   flops = flops_of_step_traced + sum(n_s * flops[p_s]) - L * flops[full]
 
 :class:`Traced` is the model of a whole step: its stacks' models and its
-FLOPs, as ``_trace.trace`` builds them from its one trace, and what
-:func:`predict` prices every plan with.
+FLOPs, as ``_trace.trace`` builds them from its one trace; :func:`predict`
+prices every plan with those two (``traced.models``, ``traced.step_flops``).
 """
 
 from __future__ import annotations

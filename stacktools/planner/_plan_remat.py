@@ -131,6 +131,7 @@ def plan_remat(step_fn: Callable[..., Any], *args: Any, budget: Union[int, str],
       if plan is not None:
         plan.seconds = time.perf_counter() - start
         return _process_zeros(plan)
+    # The same order as st.remat_report's (_remat_report.py): room, candidates, choice.
     _choose.check_room(budget.given, budget.bytes, args, donate_argnums)
     plans = _compile.Candidates(step_fn, args, traced, offload=offload, only=only,
                                 donate_argnums=donate_argnums)

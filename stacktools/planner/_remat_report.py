@@ -117,9 +117,10 @@ def remat_report(step_fn: Callable[..., Any], *args: Any, measure: bool = False,
     budget = None if budget is None else _budget.parse_budget(budget)
     if budget is not None and not compile_all:
       start = time.perf_counter()
+      # The same order as st.plan_remat's (_plan_remat.py): room, candidates, choice.
       _choose.check_room(budget.given, budget.bytes, args, donate_argnums)
-      plans = candidates(step_fn, args, measure=measure, offload=offload, only=only,
-                         donate_argnums=donate_argnums)
+      plans = _candidate_plans(step_fn, args, measure=measure, offload=offload, only=only,
+                               donate_argnums=donate_argnums)
       return _choose.choose(plans, budget=budget, measure=measure, repeats=repeats,
                             start=start)
     return build(step_fn, *args, measure=measure, repeats=repeats, offload=offload,
@@ -134,8 +135,8 @@ def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
   """:func:`remat_report` without a choice, its mistakes named after the
   caller's subject: the reference compiled, or every plan."""
   start = time.perf_counter()
-  plans = candidates(step_fn, args, measure=measure, offload=offload, only=only,
-                     donate_argnums=donate_argnums)
+  plans = _candidate_plans(step_fn, args, measure=measure, offload=offload, only=only,
+                           donate_argnums=donate_argnums)
   budget_bytes = None if budget is None else budget.bytes
   order = [plans.reference()]
   if compile_all:
@@ -147,9 +148,9 @@ def build(step_fn: Callable[..., Any], *args: Any, measure: bool, repeats: int,
   return plans.report(budget=budget_bytes, seconds=time.perf_counter() - start)
 
 
-def candidates(step_fn: Callable[..., Any], args: Sequence[Any], *, measure: bool,
-               offload: Optional[bool], only: Optional[Sequence[str]],
-               donate_argnums: Sequence[int] = ()) -> _compile.Candidates:
+def _candidate_plans(step_fn: Callable[..., Any], args: Sequence[Any], *, measure: bool,
+                     offload: Optional[bool], only: Optional[Sequence[str]],
+                     donate_argnums: Sequence[int] = ()) -> _compile.Candidates:
   """Every plan of ``step_fn(*args)``, predicted from one trace of it; with
   ``measure``, the arguments are checked first to be arrays it can run."""
   if measure:

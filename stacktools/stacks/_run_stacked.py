@@ -203,6 +203,10 @@ def stage_chunk(step: _loops.Step, policy: _policy.CheckpointPolicy, unroll: Any
                 ) -> tuple[PyTree, Any]:
   """The K layers of chunk ``repeat`` on one microbatch, with the stack's policy.
 
+  Bound to ``step``, ``policy`` and ``unroll`` (``functools.partial``), it is
+  the chunk a pipeline's stages run: ``pipelines/_stages.py``'s ``Chunk``
+  says what the other arguments are and what it returns.
+
   Each layer's parameters are picked from the stage's ``[R, K, ...]``
   arrays inside the layer's step, that is inside its checkpoint: the
   backward pass then keeps the stage's own parameters once (a loop
@@ -213,15 +217,7 @@ def stage_chunk(step: _loops.Step, policy: _policy.CheckpointPolicy, unroll: Any
       result's first two fields the layer's ``y`` and new state.
     policy: the checkpoint policy of every layer.
     unroll: the stack's unroll, for the scan over the chunk's layers.
-    x_in: the microbatch's carry.
-    local: the stage's layers, each leaf ``[R, K, ...]``.
-    state: chunk ``repeat``'s per-layer state, ``[K, ...]``.
-    repeat: which of the stage's R chunks runs.
-    microbatch: which microbatch, to draw its own keys.
-
-  Returns:
-    ``(carry, results)`` of the engine's loop over the K layers: the
-    carry after the last, and every layer's result stacked (``[K, ...]``).
+    x_in, local, state, repeat, microbatch: as ``Chunk`` says.
   """
   def layer_step(carry, xs):
     k, layer_state = xs
